@@ -1,0 +1,123 @@
+"""The attention-backend protocol and the metadata every backend consumes."""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class AttentionMetadata:
+    """Where one forward's queries sit and where their KV lives, for one pool.
+
+    The batch is varlen: request ``i`` contributes ``query_lens[i]`` query tokens, which are the
+    *last* ``query_lens[i]`` of its ``seq_lens[i]`` cached tokens (their KV is written before
+    attention). Prefill (``query_len == seq_len``), chunked prefill, decode (1 query) and verify (k+1
+    queries) are all this one shape. With ``causal``, query ``j`` of request ``i`` sees keys at
+    positions ``<= seq_lens[i] - query_lens[i] + j``.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [B], KV length per request including this step's tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks], physical block of each logical block
+    slot_mapping: torch.Tensor  # int64 [T], slot (block * block_size + offset) of each new token's KV
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+    # Optional [T, max_seq_len] bool mask (True = may attend), for tree drafts; ANDed with causality.
+    custom_mask: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        causal: bool = True,
+        custom_mask: torch.Tensor | None = None,
+    ) -> "AttentionMetadata":
+        device = block_tables.device
+        if len(query_lens) != len(seq_lens):
+            raise ValueError("query_lens and seq_lens must have one entry per request")
+        if any(q > s for q, s in zip(query_lens, seq_lens)):
+            raise ValueError("a request cannot have more queries than cached tokens")
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(list(query_lens), dtype=torch.int32).cumsum(0)
+        return cls(
+            query_start_loc=qsl.to(device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            causal=causal,
+            custom_mask=custom_mask,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.numel()
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def num_query_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Writes new KV into pool pages and computes paged attention over them.
+
+    Shapes: ``q [T, num_heads, head_dim]``; a pool layer's ``k`` ``[num_blocks, block_size, kv_heads,
+    head_dim]`` and ``v`` ``[num_blocks, block_size, kv_heads, v_head_dim]``; MLA latent ``[num_blocks,
+    block_size, kv_lora_rank + rope_dim]``. Attention is always the varlen paged shape of
+    :class:`AttentionMetadata`.
+    """
+
+    name: str
+
+    def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
+        """Whether this backend can run a pool of kind ``"attention"`` / ``"mla"`` at this page size."""
+        ...
+
+    def write_kv(
+        self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        """Store ``values[entry]`` (``[T, *entry_shape]``) at ``slot_mapping`` in ``layer[entry]``."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``."""
+        ...
+
+    def mla_attention(
+        self,
+        q: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA: ``q [T, H, kv_lora_rank + rope_dim]`` against the latent cache (keys: the whole
+        latent, values: its first ``kv_lora_rank`` columns); returns ``[T, H, kv_lora_rank]``."""
+        ...

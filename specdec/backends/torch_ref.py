@@ -1,0 +1,119 @@
+"""The torch reference backend: plain tensor ops, exact in any dtype, the yardstick for kernels."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from specdec.backends.base import AttentionMetadata
+
+
+class TorchBackend:
+    """Gathers each request's pages into a padded batch and runs masked softmax attention.
+
+    Vectorised over the batch (no per-request Python), so it is also a usable CPU backend.
+    """
+
+    name = "torch"
+
+    def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
+        return block_size >= 1
+
+    def write_kv(
+        self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        for key, value in values.items():
+            cache = layer[key]
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, slot_mapping, value.to(cache.dtype))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        keys = gather_pages(k_cache, meta)  # [B, S, Hkv, D]
+        values = gather_pages(v_cache, meta)
+        return _masked_attention(q, keys, values, meta, scale=scale, sliding_window=sliding_window)
+
+    def mla_attention(
+        self,
+        q: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        latent = gather_pages(latent_cache, meta).unsqueeze(2)  # [B, S, 1, L + R]
+        return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale)
+
+
+def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Each request's first ``max_seq_len`` cached tokens, ``[B, max_seq_len, *entry_shape]``."""
+    bs = meta.block_size
+    num_blocks = -(-meta.max_seq_len // bs)
+    table = meta.block_tables[:, :num_blocks].long()
+    pages = cache[table]  # [B, num_blocks, bs, ...]
+    pages = pages.reshape(table.shape[0], num_blocks * bs, *cache.shape[2:])
+    return pages[:, : meta.max_seq_len]
+
+
+def attention_mask(meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+    """Which keys each query token may see: bool ``[T, max_seq_len]``."""
+    device = meta.seq_lens.device
+    query_lens = meta.query_lens.long()
+    request, offset = _query_index(meta)
+    seq_lens = meta.seq_lens.long()[request]
+    query_pos = seq_lens - query_lens[request] + offset  # absolute position of each query
+    key_pos = torch.arange(meta.max_seq_len, device=device)
+    mask = key_pos[None, :] < seq_lens[:, None]
+    if meta.causal:
+        mask &= key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    if meta.custom_mask is not None:
+        mask &= meta.custom_mask[:, : meta.max_seq_len]
+    return mask
+
+
+def _masked_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``q [T, H, D]`` against per-request ``keys [B, S, Hkv, D]``, ``values [B, S, Hkv, Dv]``."""
+    num_tokens, num_heads, head_dim = q.shape
+    batch, max_seq, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    # Pad queries per request so scores are [B, Hkv, group, max_query_len, S], not [T, S, ...].
+    request, offset = _query_index(meta)
+    padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
+    padded_q[request, offset] = q
+    padded_mask = torch.zeros(batch, meta.max_query_len, max_seq, dtype=torch.bool, device=q.device)
+    padded_mask[request, offset] = attention_mask(meta, sliding_window)
+    qg = padded_q.view(batch, meta.max_query_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bshd->bhgqs", qg, keys.to(q.dtype)) * scale
+    scores = scores.masked_fill(~padded_mask[:, None, None], float("-inf"))
+    # Padding rows see no key at all; zero them instead of producing NaN.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgqs,bshd->bqhgd", probs, values.to(q.dtype))
+    return out[request, offset].reshape(num_tokens, num_heads, -1)
+
+
+def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query token: its request index and its offset within that request's queries."""
+    device = meta.seq_lens.device
+    request = torch.repeat_interleave(torch.arange(meta.num_requests, device=device), meta.query_lens.long())
+    offset = torch.arange(meta.num_query_tokens, device=device) - meta.query_start_loc[:-1].long()[request]
+    return request, offset

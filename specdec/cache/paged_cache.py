@@ -1,0 +1,224 @@
+"""The composable paged KV cache: named pools with their own page sizes under one memory budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Iterable
+
+import attrs
+import torch
+
+from specdec.cache.allocator import BlockAllocator
+from specdec.cache.pool import PagedPool
+
+
+class KVCacheError(RuntimeError):
+    """Base class of the cache's errors."""
+
+
+class RequestTooLargeError(KVCacheError, ValueError):
+    """A request can never fit, even with the whole budget to itself."""
+
+
+class OutOfBlocksError(KVCacheError):
+    """Not enough free blocks now; the scheduler should preempt and retry."""
+
+
+@attrs.define
+class _PoolSequence:
+    """One request's pages in one pool, indexed by logical token position."""
+
+    blocks: list[int] = attrs.field(factory=list)
+    num_tokens: int = 0
+
+
+class PagedKVCache:
+    """Pools registered by name, each with its own page size, dtype and layers.
+
+    Engines and proposers register pools (``"target"``, ``"draft"``, ...), then :meth:`build` splits
+    ``memory_budget`` bytes across them by per-token cost, so every pool can hold the same number of
+    tokens. Each request keeps a block table and a length per pool: a 128-token-page target pool and a
+    16-token-page draft pool coexist without either being padded to the other's page size.
+    """
+
+    def __init__(self, memory_budget: int, device: torch.device | str = "cpu"):
+        if memory_budget <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {memory_budget}")
+        self.memory_budget = int(memory_budget)
+        self.device = torch.device(device)
+        self._pools: dict[str, PagedPool] = {}
+        self._allocators: dict[str, BlockAllocator] = {}
+        self._seqs: dict[Hashable, dict[str, _PoolSequence]] = {}
+
+    # ----- pools -----
+    def register(self, pool: PagedPool) -> PagedPool:
+        if self.is_built:
+            raise KVCacheError(f"cannot register pool {pool.name!r}: the cache is already built")
+        if pool.name in self._pools:
+            raise KVCacheError(f"a pool named {pool.name!r} is already registered")
+        self._pools[pool.name] = pool
+        return pool
+
+    def pool(self, name: str) -> PagedPool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise KeyError(f"no pool named {name!r}; registered: {sorted(self._pools)}") from None
+
+    @property
+    def pools(self) -> dict[str, PagedPool]:
+        return dict(self._pools)
+
+    @property
+    def is_built(self) -> bool:
+        return bool(self._allocators)
+
+    def build(self) -> dict[str, int]:
+        """Split the budget by per-token cost and allocate every pool; returns token capacities."""
+        if self.is_built:
+            raise KVCacheError("the cache is already built")
+        if not self._pools:
+            raise KVCacheError("no pools registered")
+        total_cost = sum(p.bytes_per_token() for p in self._pools.values())
+        tokens = self.memory_budget // total_cost
+        for pool in self._pools.values():
+            num_blocks = tokens // pool.block_size
+            pool.materialize(num_blocks, self.device)
+            self._allocators[pool.name] = BlockAllocator(num_blocks)
+        return self.capacity()
+
+    def capacity(self) -> dict[str, int]:
+        """Tokens each pool can hold in all."""
+        return {name: p.num_blocks * p.block_size for name, p in self._pools.items()}
+
+    def allocated_bytes(self) -> int:
+        return sum(p.num_blocks * p.bytes_per_block() for p in self._pools.values())
+
+    def bytes_needed(self, num_tokens: int) -> int:
+        """The smallest budget that holds one request of ``num_tokens`` tokens in every pool."""
+        total_cost = sum(p.bytes_per_token() for p in self._pools.values())
+        tokens = max(math.ceil(num_tokens / p.block_size) * p.block_size for p in self._pools.values())
+        return tokens * total_cost
+
+    def num_free_blocks(self, pool: str) -> int:
+        return self._allocators[pool].num_free
+
+    def allocator(self, pool: str) -> BlockAllocator:
+        return self._allocators[pool]
+
+    # ----- requests -----
+    def check_fits(self, num_tokens: int, pools: Iterable[str] | None = None) -> None:
+        """Raise :class:`RequestTooLargeError` if ``num_tokens`` can never fit in some pool."""
+        self._require_built()
+        for name in self._names(pools):
+            pool = self._pools[name]
+            if math.ceil(num_tokens / pool.block_size) > pool.num_blocks:
+                raise RequestTooLargeError(
+                    f"a request of {num_tokens} tokens does not fit the KV cache: pool {name!r} holds "
+                    f"{pool.num_blocks * pool.block_size} tokens in all; raise kv_cache_memory to at least "
+                    f"{self.bytes_needed(num_tokens)} bytes or lower max_tokens / the prompt length"
+                )
+
+    def can_admit(self, request: Hashable, num_tokens: int, pools: Iterable[str] | None = None) -> bool:
+        """Whether ``request`` can grow to ``num_tokens`` tokens in every pool with the free blocks now."""
+        self._require_built()
+        seqs = self._seqs.get(request, {})
+        for name in self._names(pools):
+            seq = seqs.get(name)
+            have = len(seq.blocks) if seq else 0
+            need = math.ceil(num_tokens / self._pools[name].block_size) - have
+            if need > self._allocators[name].num_free:
+                return False
+        return True
+
+    def append_slots(
+        self, request: Hashable, num_new: int, pools: Iterable[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Extend ``request`` by ``num_new`` tokens; returns, per pool, their slots (int64 ``[num_new]``).
+
+        A slot is ``block_id * block_size + offset``. All-or-nothing: if any pool lacks blocks, nothing
+        is allocated and :class:`OutOfBlocksError` is raised.
+        """
+        self._require_built()
+        names = self._names(pools)
+        seqs = self._seqs.setdefault(request, {})
+        for name in names:
+            seq = seqs.get(name)
+            self.check_fits((seq.num_tokens if seq else 0) + num_new, [name])
+        for name in names:
+            seq = seqs.get(name)
+            new_len = (seq.num_tokens if seq else 0) + num_new
+            if not self.can_admit(request, new_len, [name]):
+                raise OutOfBlocksError(f"pool {name!r} has too few free blocks for {num_new} more tokens")
+        slots = {}
+        for name in names:
+            pool, allocator = self._pools[name], self._allocators[name]
+            seq = seqs.setdefault(name, _PoolSequence())
+            start, seq.num_tokens = seq.num_tokens, seq.num_tokens + num_new
+            while len(seq.blocks) * pool.block_size < seq.num_tokens:
+                seq.blocks.append(allocator.allocate())
+            positions = torch.arange(start, seq.num_tokens)
+            blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+            slots[name] = blocks[positions // pool.block_size] * pool.block_size + positions % pool.block_size
+        return slots
+
+    def truncate(self, request: Hashable, new_len: int, pools: Iterable[str] | None = None) -> None:
+        """Roll ``request`` back to ``new_len`` tokens (rejected drafts), freeing pages left empty."""
+        seqs = self._seqs.get(request, {})
+        for name in self._names(pools):
+            seq = seqs.get(name)
+            if seq is None:
+                if new_len:
+                    raise KVCacheError(f"request {request!r} holds no tokens in pool {name!r}")
+                continue
+            if new_len > seq.num_tokens or new_len < 0:
+                raise KVCacheError(
+                    f"cannot truncate request {request!r} in pool {name!r} to {new_len} tokens: it has {seq.num_tokens}"
+                )
+            seq.num_tokens = new_len
+            keep = math.ceil(new_len / self._pools[name].block_size)
+            allocator = self._allocators[name]
+            while len(seq.blocks) > keep:
+                allocator.free(seq.blocks.pop())
+
+    def free(self, request: Hashable) -> None:
+        """Release every page ``request`` holds in every pool (finish or preemption)."""
+        for name, seq in self._seqs.pop(request, {}).items():
+            allocator = self._allocators[name]
+            for block in seq.blocks:
+                allocator.free(block)
+
+    def num_tokens(self, request: Hashable, pool: str) -> int:
+        seq = self._seqs.get(request, {}).get(pool)
+        return seq.num_tokens if seq else 0
+
+    def block_table(self, request: Hashable, pool: str) -> list[int]:
+        seq = self._seqs.get(request, {}).get(pool)
+        return list(seq.blocks) if seq else []
+
+    def block_tables(self, requests: Iterable[Hashable], pool: str) -> torch.Tensor:
+        """Block tables of ``requests`` in ``pool`` as int32 ``[len(requests), max_blocks]``, 0-padded."""
+        rows = [self._seqs.get(r, {}).get(pool) for r in requests]
+        rows = [seq.blocks if seq else [] for seq in rows]
+        width = max((len(r) for r in rows), default=0)
+        table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
+        for i, blocks in enumerate(rows):
+            if blocks:
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return table
+
+    def requests(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    # ----- helpers -----
+    def _names(self, pools: Iterable[str] | None) -> list[str]:
+        if pools is None:
+            return list(self._pools)
+        names = list(pools)
+        for name in names:
+            self.pool(name)
+        return names
+
+    def _require_built(self) -> None:
+        if not self.is_built:
+            raise KVCacheError("the cache is not built yet: call build() after registering pools")

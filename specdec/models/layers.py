@@ -1,0 +1,100 @@
+"""Building blocks shared by the model implementations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision for norms and softmax-like reductions: at least float32, float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the reduction in at least float32 (as transformers does for half precision).
+
+    ``unit_offset`` is Gemma's ``(1 + weight)`` scaling.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(compute_dtype(dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.to(h.dtype)
+        if self.unit_offset:
+            weight = 1.0 + weight
+        return (weight * h).to(dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE for the variants transformers implements (default, linear, llama3, yarn, ...).
+
+    The inverse frequencies and attention scaling come from transformers' own RoPE init functions,
+    so every ``rope_parameters`` / legacy ``rope_scaling`` spelling a config can carry is honoured.
+    ``rotary_dim`` below the head dim gives partial RoPE; ``interleaved`` is the GPT-J pairing
+    (DeepSeek's ``rope_interleave``), otherwise NeoX halves.
+    """
+
+    def __init__(self, config, rotary_dim: int, *, interleaved: bool = False):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"rope_type {rope_type!r} changes with the sequence length and is not supported yet; "
+                "use a checkpoint with default, linear, llama3 or yarn RoPE"
+            )
+        self._config = config
+        self._rope_type = rope_type
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the frequency table on the CPU; called after meta-device construction."""
+        if self._rope_type == "default":
+            theta = self._config.rope_parameters["rope_theta"]
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
+            inv_freq, scaling = 1.0 / (theta**exponents), 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self._rope_type](self._config, device="cpu")
+        # Tables stay in float32 whatever the model dtype: that is how checkpoints are trained and how
+        # transformers evaluates them, so float64 runs agree with it to rounding.
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each ``[T, heads, head_dim]`` tensor's first ``rotary_dim`` features by position."""
+        cos, sin = self.cos_sin(positions, tensors[0].dtype)
+        return tuple(self._rotate(t, cos, sin) for t in tensors)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        if self.interleaved:
+            even, odd = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+        else:
+            half = rot.shape[-1] // 2
+            first, second = rot[..., :half], rot[..., half:]
+            rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated

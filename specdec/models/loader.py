@@ -1,0 +1,98 @@
+"""Load Hugging Face checkpoint folders (config.json + safetensors) into specdec models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from specdec.models.registry import model_class
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A folder is not a loadable checkpoint, or its tensors do not fit the architecture."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
+    """``"auto"`` takes the checkpoint's own dtype (float32 when it records none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        recorded = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(recorded, torch.dtype):
+            return recorded
+        return _DTYPES.get(str(recorded).replace("torch.", ""), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {['auto', *_DTYPES]}")
+    return _DTYPES[dtype]
+
+
+def load_config(path: str | Path):
+    """The transformers config of a checkpoint folder (offline), with a clear error if it is not one."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {str(path)!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint folder: it has no config.json")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError) as err:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        raise CheckpointError(f"cannot read the config of {str(path)!r} (model_type {model_type!r}): {err}") from None
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a folder: the index's shards, or ``model.safetensors``, or every ``*.safetensors``."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{str(path)!r}: shards listed in {index.name} are missing: {missing}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{str(path)!r} holds no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one tensor at a time, so loading never holds two copies of the weights."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"):
+    """Build the specdec model for a checkpoint folder and load its weights.
+
+    The model is created on the meta device, given uninitialised storage on ``device``, then filled
+    tensor by tensor from the safetensors files.
+    """
+    hf_config = load_config(path)
+    cls = model_class(hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model.to_empty(device=device)
+    model.to(torch_dtype)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    model.load_weights(iter_safetensors(path))
+    model.eval()
+    return model

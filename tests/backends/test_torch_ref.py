@@ -1,0 +1,122 @@
+"""The torch reference backend against dense float64 attention computed from the same K/V."""
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from specdec.backends import AttentionMetadata, get_backend
+from specdec.backends.torch_ref import TorchBackend
+
+SHAPES = {
+    "prefill": lambda seq: seq,
+    "decode": lambda seq: 1,
+    "verify": lambda seq: min(4, seq),
+    "chunked": lambda seq: max(1, seq // 3),
+}
+
+
+def paged_layout(seq_lens, block_size, num_blocks, generator):
+    """Block tables over shuffled physical blocks, and the slot of every cached position."""
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, slots = [], []
+    for seq in seq_lens:
+        need = math.ceil(seq / block_size)
+        blocks, perm = perm[:need], perm[need:]
+        tables.append(blocks)
+        slots.append(torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq)]))
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table, slots
+
+
+def dense_attention(q, k, v, scale, q_positions):
+    """One request: q [Q, H, D], k/v [S, Hkv, D]; query j sits at q_positions[j] (causal)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+    for j, pos in enumerate(q_positions):
+        scores = torch.einsum("hd,shd->hs", q[j], k[: pos + 1]) * scale
+        out[j] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[: pos + 1])
+    return out
+
+
+def build_case(shape, num_heads, num_kv_heads, block_size, seed, head_dim=16, v_head_dim=16):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, 40, (4,), generator=g).tolist()
+    query_lens = [SHAPES[shape](s) for s in seq_lens]
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
+    table, slots = paged_layout(seq_lens, block_size, num_blocks, g)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float64, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, v_head_dim, dtype=torch.float64, generator=g)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=torch.float64, generator=g)
+    new_slots = torch.cat([s[len(s) - ql :] for s, ql in zip(slots, query_lens)])
+    meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=table,
+                                   slot_mapping=new_slots, block_size=block_size)
+    return q, k_cache, v_cache, meta, slots
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_attention_matches_dense(shape, num_heads, num_kv_heads, block_size):
+    q, k_cache, v_cache, meta, slots = build_case(shape, num_heads, num_kv_heads, block_size, seed=block_size)
+    out = TorchBackend().attention(q, k_cache, v_cache, meta, scale=0.25)
+    start = 0
+    for i, seq_slots in enumerate(slots):
+        ql, seq = int(meta.query_lens[i]), int(meta.seq_lens[i])
+        k = k_cache.view(-1, num_kv_heads, 16)[seq_slots]
+        v = v_cache.view(-1, num_kv_heads, 16)[seq_slots]
+        ref = dense_attention(q[start : start + ql], k, v, 0.25, range(seq - ql, seq))
+        torch.testing.assert_close(out[start : start + ql], ref, rtol=1e-12, atol=1e-12)
+        start += ql
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_mla_attention_matches_dense(shape):
+    rank, rope, heads, block_size = 12, 4, 4, 4
+    q, latent, _, meta, slots = build_case(shape, heads, 1, block_size, seed=3, head_dim=rank + rope)
+    latent = latent[:, :, 0]  # [blocks, block_size, rank + rope]
+    out = TorchBackend().mla_attention(q, latent, meta, kv_lora_rank=rank, scale=0.3)
+    start = 0
+    for i, seq_slots in enumerate(slots):
+        ql, seq = int(meta.query_lens[i]), int(meta.seq_lens[i])
+        lat = latent.reshape(-1, rank + rope)[seq_slots][:, None, :]
+        ref = dense_attention(q[start : start + ql], lat, lat[..., :rank], 0.3, range(seq - ql, seq))
+        torch.testing.assert_close(out[start : start + ql], ref, rtol=1e-12, atol=1e-12)
+        start += ql
+
+
+def test_write_kv_places_values_at_their_slots():
+    backend = get_backend("torch")
+    layer = {"k": torch.zeros(3, 4, 2, 5, dtype=torch.float64), "v": torch.zeros(3, 4, 2, 5, dtype=torch.float64)}
+    k, v = torch.randn(2, 2, 5, dtype=torch.float64), torch.randn(2, 2, 5, dtype=torch.float64)
+    backend.write_kv(layer, {"k": k, "v": v}, torch.tensor([9, 2]))
+    assert torch.equal(layer["k"][2, 1], k[0]) and torch.equal(layer["v"][0, 2], v[1])
+    assert layer["k"].count_nonzero() == k.count_nonzero()
+
+
+def test_sliding_window_and_custom_mask_restrict_keys():
+    q, k_cache, v_cache, meta, slots = build_case("prefill", 2, 2, 4, seed=5)
+    backend = TorchBackend()
+    windowed = backend.attention(q, k_cache, v_cache, meta, scale=1.0, sliding_window=1)
+    # A window of 1 means each query sees only its own key: output equals its own value.
+    own_values = torch.cat([v_cache.view(-1, 2, 16)[s] for s in slots])
+    torch.testing.assert_close(windowed, own_values, rtol=1e-12, atol=1e-12)
+    eye = torch.zeros(meta.num_query_tokens, meta.max_seq_len, dtype=torch.bool)
+    start = 0
+    for i in range(meta.num_requests):
+        seq = int(meta.seq_lens[i])
+        eye[start : start + seq, :seq] = torch.eye(seq, dtype=torch.bool)
+        start += seq
+    masked = backend.attention(q, k_cache, v_cache, attrs.evolve(meta, custom_mask=eye), scale=1.0)
+    torch.testing.assert_close(masked, own_values, rtol=1e-12, atol=1e-12)
+
+
+def test_unknown_backend_lists_choices():
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'; choose one of"):
+        get_backend("nope")

@@ -142,24 +142,27 @@ class PagedKVCache:
         self._require_built()
         names = self._names(pools)
         seqs = self._seqs.setdefault(request, {})
+        plan = []
         for name in names:
-            seq = seqs.get(name)
-            self.check_fits((seq.num_tokens if seq else 0) + num_new, [name])
-        for name in names:
-            seq = seqs.get(name)
+            pool, seq = self._pools[name], seqs.get(name)
             new_len = (seq.num_tokens if seq else 0) + num_new
-            if not self.can_admit(request, new_len, [name]):
+            total = -(-new_len // pool.block_size)
+            if total > pool.num_blocks:
+                self.check_fits(new_len, [name])
+            need = total - (len(seq.blocks) if seq else 0)
+            if need > self._allocators[name].num_free:
                 raise OutOfBlocksError(f"pool {name!r} has too few free blocks for {num_new} more tokens")
+            plan.append((name, pool, need))
         slots = {}
-        for name in names:
-            pool, allocator = self._pools[name], self._allocators[name]
+        for name, pool, need in plan:
+            allocator = self._allocators[name]
             seq = seqs.setdefault(name, _PoolSequence())
-            start, seq.num_tokens = seq.num_tokens, seq.num_tokens + num_new
-            while len(seq.blocks) * pool.block_size < seq.num_tokens:
+            for _ in range(need):
                 seq.blocks.append(allocator.allocate())
-            positions = torch.arange(start, seq.num_tokens)
-            blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-            slots[name] = blocks[positions // pool.block_size] * pool.block_size + positions % pool.block_size
+            start, seq.num_tokens = seq.num_tokens, seq.num_tokens + num_new
+            bs, blocks = pool.block_size, seq.blocks
+            slots[name] = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, seq.num_tokens)],
+                                       dtype=torch.int64)
         return slots
 
     def truncate(self, request: Hashable, new_len: int, pools: Iterable[str] | None = None) -> None:

@@ -94,5 +94,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         if callable(reset):
             reset()
     model.load_weights(iter_safetensors(path))
+    # Inference only: without grad tracking, outputs of inference_mode forwards can feed later ops.
+    model.requires_grad_(False)
     model.eval()
     return model

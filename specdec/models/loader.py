@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from specdec.models.registry import model_class
+from specdec.models.registry import model_class, supported_model_types
 
 _DTYPES = {
     "float32": torch.float32,
@@ -38,13 +38,26 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_config(path: str | Path):
-    """The transformers config of a checkpoint folder (offline), with a clear error if it is not one."""
+def read_config_json(path: str | Path) -> dict:
+    """The raw ``config.json`` of a checkpoint folder, with a clear error if the folder is not one."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {str(path)!r} does not exist")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{str(path)!r} is not a checkpoint folder: it has no config.json")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{str(folder / 'config.json')!r} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(folder / 'config.json')!r} must hold a JSON object")
+    return raw
+
+
+def load_config(path: str | Path):
+    """The transformers config of a checkpoint folder (offline), with a clear error if it is not one."""
+    folder = Path(path)
+    read_config_json(folder)
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError) as err:
@@ -82,6 +95,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     The model is created on the meta device, given uninitialised storage on ``device``, then filled
     tensor by tensor from the safetensors files.
     """
+    # Check the architecture before transformers parses the config, so an unknown model_type gets
+    # specdec's list of supported ones rather than transformers' "does not recognize" message.
+    model_type = read_config_json(path).get("model_type")
+    if model_type not in supported_model_types():
+        raise CheckpointError(
+            f"{str(path)!r} has unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
     hf_config = load_config(path)
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)

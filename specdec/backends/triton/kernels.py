@@ -91,6 +91,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Online-softmax attention of one request's query rows against its pages, one KV head.
 
@@ -99,7 +100,8 @@ def paged_attention_kernel(
     of wasting it. ``SHARED_KV`` is MLA: values are the first ``V_DIM`` key columns, loaded once and
     used for both products. With ``NUM_SPLITS > 1`` each program covers a slice of the keys and
     writes unnormalised partials for :func:`split_reduce_kernel` (flash-decoding), which keeps the
-    GPU busy when there are few requests and heads.
+    GPU busy when there are few requests and heads. ``UPCAST`` runs the products in fp32 (keys and
+    values follow the query's dtype): Triton's interpreter multiplies bf16 tiles wrongly.
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -142,10 +144,15 @@ def paged_attention_kernel(
             r_ok = offs_r < HEAD_DIM - V_DIM
             q_a = tl.load(q_rows + offs_dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
             q_b = tl.load(q_rows + V_DIM + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                q_a = q_a.to(tl.float32)
+                q_b = q_b.to(tl.float32)
         else:
             offs_d = tl.arange(0, D_PAD)
             d_ok = offs_d < HEAD_DIM
             q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
         l_i = tl.zeros([BLOCK_M], dtype=ACC)

@@ -70,7 +70,8 @@ def write_slots(
                 f"write_kv: values[{key!r}] has shape {tuple(value.shape)}, expected [{num_tokens}, "
                 f"{', '.join(map(str, cache.shape[2:]))}] to match slot_mapping and the cache"
             )
-        src = value.reshape(num_tokens, width)
+        # Cast on the host: torch rounds to nearest like the reference (the interpreter's bf16 cast truncates).
+        src = value.reshape(num_tokens, width).to(cache.dtype)
         if src.stride(-1) != 1:
             src = src.contiguous()
         pairs.append((src, flat))
@@ -232,6 +233,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
+        UPCAST=kernels.INTERPRETED and q.dtype == torch.bfloat16,
         **launch,
     )
     if num_splits > 1:

@@ -10,6 +10,8 @@ from specdec.backends.base import AttentionBackend, AttentionMetadata
 # name -> "module:factory", imported on first use so optional dependencies stay optional.
 _BACKENDS: dict[str, str] = {
     "torch": "specdec.backends.torch_ref:TorchBackend",
+    "triton": "specdec.backends.triton:TritonBackend",
+    "aiter": "specdec.backends.aiter:AiterBackend",
 }
 
 

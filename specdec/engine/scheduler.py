@@ -1,0 +1,171 @@
+"""Continuous batching: which requests run this step, and who is preempted when pages run out."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from specdec.cache.paged_cache import PagedKVCache
+from specdec.engine.sequence import Sequence, SequenceStatus
+
+
+def _positive_or_none(_inst, attr, value) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"SchedulerConfig.{attr.name} must be a positive int or None, got {value!r}")
+
+
+def _positive(_inst, attr, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"SchedulerConfig.{attr.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """Limits of one step.
+
+    - ``max_num_seqs``: requests holding KV at once.
+    - ``max_num_batched_tokens``: query tokens per forward (prefill tokens + decode tokens + drafts);
+      None = no limit besides the KV cache. A prefill longer than the limit still runs, alone with
+      the decodes, so that no request waits forever.
+    """
+
+    max_num_seqs: int = attrs.field(default=256, validator=_positive)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive_or_none)
+
+
+@attrs.define
+class ScheduledBatch:
+    """What runs this step: ``seqs[i]`` may receive up to ``max_drafts[i]`` draft tokens."""
+
+    seqs: list[Sequence]
+    max_drafts: list[int]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    """Admits waiting requests while KV pages allow and preempts the newest when they run out.
+
+    Every step, running requests come first (in admission order), each reserving pages for its
+    next tokens plus its drafts in every pool of the cache; when the free pages do not cover a
+    request, the most recently admitted running request is preempted: its pages are freed and it
+    goes back to the front of the queue, to be recomputed later from prompt + output. Waiting
+    requests are then admitted (as prefills, in the same step) while pages, ``max_num_seqs`` and
+    the token budget allow, unless a preemption happened this step (admitting then would thrash).
+
+    The scheduler only *reserves*: it counts free blocks per pool and never allocates, so the
+    forwards that follow (target and proposer) cannot run out of pages mid-step.
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._cache: PagedKVCache | None = None
+        self._lookahead = 0
+
+    def bind(self, cache: PagedKVCache, primary_pool: str, num_lookahead: int = 0) -> None:
+        """Attach the (built) cache.
+
+        ``primary_pool`` is the target's main pool (its length is what a request has computed);
+        ``num_lookahead`` is k, the drafts a request may get per step. Reservations cover every
+        pool of the cache, the proposer's included.
+        """
+        self._cache = cache
+        self._primary = primary_pool
+        self._lookahead = num_lookahead
+        self._block_sizes = {name: pool.block_size for name, pool in cache.pools.items()}
+
+    # ----- queue -----
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished request's pages."""
+        self.running.remove(seq)
+        self._cache.free(seq.seq_id)
+
+    # ----- one step -----
+    def schedule(self) -> ScheduledBatch:
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError("Scheduler.bind(cache) must be called before schedule()")
+        free = {name: cache.num_free_blocks(name) for name in self._block_sizes}
+        budget = self.config.max_num_batched_tokens
+        tokens = 0
+        batch = ScheduledBatch([], [], [])
+
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            drafts = seq.max_drafts(self._lookahead)
+            need = self._blocks_needed(seq, seq.num_tokens + drafts)
+            while not _fits(need, free) and queue:
+                victim = queue.pop()
+                self._preempt(victim, free)
+                batch.preempted.append(victim)
+            if not _fits(need, free):
+                # Nobody left to preempt but itself; it fits alone (checked at admission), later.
+                self._preempt(seq, free)
+                batch.preempted.append(seq)
+                break
+            _take(need, free)
+            kept.append(seq)
+            batch.seqs.append(seq)
+            batch.max_drafts.append(drafts)
+            tokens += self._query_len(seq) + drafts
+        self.running = kept
+
+        if not batch.preempted:
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                drafts = seq.max_drafts(self._lookahead)
+                query = seq.num_tokens + drafts
+                if budget is not None and tokens + query > budget and tokens > 0:
+                    break
+                need = self._blocks_needed(seq, seq.num_tokens + drafts)
+                if not _fits(need, free):
+                    break
+                _take(need, free)
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.seqs.append(seq)
+                batch.max_drafts.append(drafts)
+                tokens += query
+        return batch
+
+    # ----- helpers -----
+    def _query_len(self, seq: Sequence) -> int:
+        return seq.num_tokens - self._cache.num_tokens(seq.seq_id, self._primary)
+
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> dict[str, int]:
+        # Pages hold ceil(len / block_size) blocks exactly (the cache frees emptied pages on truncate).
+        cache = self._cache
+        return {
+            name: -(-num_tokens // bs) - -(-cache.num_tokens(seq.seq_id, name) // bs)
+            for name, bs in self._block_sizes.items()
+        }
+
+    def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:
+        for name, bs in self._block_sizes.items():
+            free[name] += -(-self._cache.num_tokens(seq.seq_id, name) // bs)
+        self._cache.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+
+def _fits(need: dict[str, int], free: dict[str, int]) -> bool:
+    return all(n <= free[name] for name, n in need.items())
+
+
+def _take(need: dict[str, int], free: dict[str, int]) -> None:
+    for name, n in need.items():
+        free[name] -= n

@@ -1,0 +1,187 @@
+"""``LLM``: the user-facing facade that builds an engine from a checkpoint folder and arguments."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from specdec.backends import get_backend
+from specdec.cache.paged_cache import PagedKVCache
+from specdec.engine.engine import LLMEngine, register_pools
+from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.models.loader import load_model
+from specdec.outputs import RequestOutput
+from specdec.sampling.params import SamplingParams
+from specdec.tokenizer import decode, encode, load_tokenizer
+
+# The default KV budget never takes more than this share of the memory available at start-up.
+DEFAULT_MEMORY_FRACTION = 0.25
+
+
+class LLM:
+    """Generate from a Hugging Face-style checkpoint folder, optionally with speculative decoding.
+
+    Arguments follow vLLM's ``LLM``:
+
+    - ``model``: folder with ``config.json`` and ``*.safetensors`` (and tokenizer files for text).
+    - ``speculative_config``: None, ``"method:key=value,..."``, a dict or a ``SpeculativeConfig``.
+    - ``attention_backend``: ``"torch"``, ``"triton"`` or ``"aiter"``.
+    - ``dtype``: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``.
+    - ``block_size``: the target's KV page size; None = what the architecture and backend prefer.
+    - ``kv_cache_memory``: bytes for all KV pools together. None = room for ``max_num_seqs``
+      requests of ``max_model_len`` tokens, capped at a quarter of the memory available at
+      start-up (but never below one full-length request).
+    - ``max_num_seqs``: requests running at once.
+    - ``max_model_len``: prompt + output tokens per request; None = the config's
+      ``max_position_embeddings``.
+    - ``seed``: seeds requests that have no ``SamplingParams.seed`` (reproducible runs).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        speculative_config=None,
+        attention_backend: str = "torch",
+        dtype: str = "auto",
+        block_size: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        if kv_cache_memory is not None and not (
+            isinstance(kv_cache_memory, int) and not isinstance(kv_cache_memory, bool) and kv_cache_memory > 0
+        ):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes or None, got {kv_cache_memory!r}")
+        if not (isinstance(seed, int) and not isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        spec = None
+        if speculative_config is not None:
+            from specdec.proposers.config import parse_speculative_config
+
+            spec = parse_speculative_config(speculative_config)
+        backend = get_backend(attention_backend)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs))
+        target = load_model(model, dtype=dtype)
+        self.max_model_len = _max_model_len(target, max_model_len)
+        self.tokenizer = load_tokenizer(model)
+        proposer = None
+        if spec is not None:
+            from specdec.proposers.registry import create_proposer
+
+            proposer = create_proposer(spec)
+
+        # Registered before the budget is fixed, so the default can be sized from the real pools.
+        cache = PagedKVCache(kv_cache_memory or 1)
+        register_pools(target, cache, backend, proposer, block_size=block_size, max_model_len=self.max_model_len)
+        if kv_cache_memory is None:
+            cache.memory_budget = default_kv_cache_memory(cache, max_num_seqs, self.max_model_len)
+        self.engine = LLMEngine(
+            target,
+            cache,
+            backend,
+            scheduler=scheduler,
+            proposer=proposer,
+            max_model_len=self.max_model_len,
+            eos_token_ids=_eos_ids(target.hf_config),
+            seed=seed,
+        )
+        self.speculative_config = spec
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per prompt, in input order.
+
+        ``prompts`` are strings (needs a tokenizer in the model folder) or lists of token ids.
+        ``sampling_params`` is one ``SamplingParams`` for all, a list with one per prompt, or None
+        (the defaults). ``use_tqdm``: a progress bar; None = only when stderr is a terminal.
+        Every request is checked before any runs; one that can never fit the KV cache raises
+        ``ValueError`` naming ``kv_cache_memory``.
+        """
+        if isinstance(prompts, (str, bytes)):
+            raise ValueError("prompts must be a list (of strings or of token-id lists), not a single string")
+        prompts = list(prompts)
+        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(ids)
+        else:
+            params = list(sampling_params)
+        seqs = self.engine.generate(ids, params, use_tqdm=use_tqdm)
+        return [
+            RequestOutput(
+                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                token_ids=seq.output_token_ids,
+                text=decode(self.tokenizer, seq.output_token_ids) if self.tokenizer is not None else None,
+                finish_reason=seq.finish_reason,
+            )
+            for seq in seqs
+        ]
+
+    def spec_stats(self):
+        """Speculation counters since construction or :meth:`reset_spec_stats`; None without speculation."""
+        return self.engine.spec_stats
+
+    def reset_spec_stats(self) -> None:
+        if self.engine.spec_stats is not None:
+            self.engine.spec_stats.reset()
+
+    def _prompt_ids(self, prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt {index} is text but the model folder has no tokenizer files; pass token ids instead"
+                )
+            return encode(self.tokenizer, prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def default_kv_cache_memory(cache: PagedKVCache, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes for ``max_num_seqs`` full-length requests in the registered pools, capped (see ``LLM``)."""
+    per_token = sum(p.bytes_per_token() for p in cache.pools.values())
+    full = per_token * max_num_seqs * max_model_len
+    cap = int(_available_memory() * DEFAULT_MEMORY_FRACTION)
+    return max(min(full, cap), cache.bytes_needed(max_model_len))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _max_model_len(model, requested: int | None) -> int:
+    limit = getattr(model.hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if not limit:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        return int(limit)
+    if not (isinstance(requested, int) and not isinstance(requested, bool) and requested >= 2):
+        raise ValueError(f"max_model_len must be an int >= 2 or None, got {requested!r}")
+    if limit and requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); lower it"
+        )
+    return requested
+
+
+def _eos_ids(hf_config) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(t) for t in eos)

@@ -1,0 +1,484 @@
+"""MiniMax-M3 text model (``minimax_m3_vl_text``, and the language part of ``minimax_m3_vl``).
+
+Per layer: GQA attention with per-head Gemma-style (``1 + weight``) QK norm and partial RoPE; either
+full causal attention or, on ``minimax_m3_sparse`` layers, block-sparse attention chosen by a
+lightning indexer; then a dense SwiGLU-OAI MLP or a sigmoid-routed MoE with a shared expert
+(``mlp_layer_types``). All norms are Gemma-style.
+
+Block-sparse attention, as the reference defines it: the indexer projects each token to
+``index_n_heads`` query vectors and one key vector (RMSNorm + RoPE, no value path). Query ``t``
+scores every visible key by dot product, keys are max-pooled into ``index_block_size``-token blocks
+anchored at cache position 0, the ``index_local_blocks`` blocks ending at the query's own block are
+always kept, and the ``index_topk_blocks`` best blocks (local ones included) are attended. Each
+indexer head makes its own choice for a contiguous group of attention heads.
+
+Cache layout (two pools, same page size): ``prefix`` is an ordinary attention pool with every
+layer's K/V; ``prefix + ".index"`` holds the indexer keys of the sparse layers only (entry ``"k"``,
+``[index_head_dim]`` per token). Selection always reads the cached indexer keys, so prefill, chunked
+prefill, decode and verify choose blocks identically. Pages must be ``index_block_size`` tokens
+(128 for the released model), the page size the deployment kernel needs; :meth:`kv_pools` rejects
+any other. The selected blocks become a per-query ``custom_mask`` on a copy of the metadata, one
+backend call per indexer head group, so any backend with ``custom_mask`` support runs it exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.backends.base import AttentionBackend, AttentionMetadata
+from specdec.backends.torch_ref import gather_pages
+from specdec.cache.pool import AttentionPool, PagedPool
+from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.minimax_m2 import (
+    FusedExperts,
+    SliceTarget,
+    aux_capture_counts,
+    check_gqa,
+    expert_slice,
+    head_dim_of,
+    load_weights_with_slices,
+    rotary_dim_of,
+    sigmoid_topk_routing,
+)
+
+SPARSE_LAYER = "minimax_m3_sparse"
+FULL_LAYER = "full_attention"
+
+
+def text_config_of(config):
+    """The language-model config: ``text_config`` of a ``minimax_m3_vl`` checkpoint, else the config."""
+    if config.model_type == "minimax_m3_vl":
+        return config.text_config
+    return config
+
+
+def _per_layer(config, key: str, allowed: tuple[str, ...], default: str) -> list[str]:
+    values = getattr(config, key, None) or [default] * config.num_hidden_layers
+    if len(values) != config.num_hidden_layers:
+        raise ValueError(
+            f"config.{key} has {len(values)} entries for {config.num_hidden_layers} layers; give one per layer"
+        )
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ValueError(f"unsupported {key} {unknown} for MiniMax-M3; expected one of {list(allowed)}")
+    return list(values)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``.
+
+    The gate half comes first (halves, not interleaved); only the gate's upper side is clamped.
+    """
+    half = gate_up.shape[-1] // 2
+    gate = gate_up[..., :half].clamp(max=limit)
+    up = gate_up[..., half:].clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def rotate_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
+    """NeoX RoPE on the first ``width`` channels of ``x [T, heads, D]`` using the first ``width``
+    columns of the duplicated ``[cos, cos]`` table (``cos``/``sin`` are ``[T, rotary_dim / 2]``).
+
+    This is the reference's indexer rotation: it slices the main attention's table to its own head
+    size, which equals ordinary partial RoPE whenever ``index_head_dim >= rotary_dim``.
+    """
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :width]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :width]
+    rot, rest = x[..., :width], x[..., width:]
+    half = width // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class MiniMaxM3DenseMLP(nn.Module):
+    """Fused ``gate_up_proj`` then SwiGLU-OAI then ``down_proj`` (dense layers and the shared expert)."""
+
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+class MiniMaxM3Router(nn.Module):
+    """Router weight and its score-correction bias (``mlp.gate.*`` in the checkpoint)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts), requires_grad=False)
+
+
+class MiniMaxM3SparseMoeBlock(nn.Module):
+    """``routed_scaling_factor * sum_k w_k expert_k(x) + shared_experts(x)``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        if not 0 < self.top_k <= config.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in 1..num_local_experts ({config.num_local_experts})"
+            )
+        self.routed_scaling_factor = config.routed_scaling_factor
+        alpha, limit = config.swiglu_alpha, config.swiglu_limit
+        self.gate = MiniMaxM3Router(config)
+        self.experts = FusedExperts(
+            config.num_local_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            lambda gate_up: swiglu_oai(gate_up, alpha, limit),
+        )
+        self.shared_experts = MiniMaxM3DenseMLP(config, config.shared_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        weights, experts = sigmoid_topk_routing(logits, self.gate.e_score_correction_bias, self.top_k)
+        return self.experts(x, experts, weights) * self.routed_scaling_factor + self.shared_experts(x)
+
+
+class MiniMaxM3Indexer(nn.Module):
+    """Lightning indexer: picks, per query and indexer head, the key blocks the attention may read."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.block_size = config.index_block_size
+        self.topk_blocks = config.index_topk_blocks
+        self.local_blocks = config.index_local_blocks
+        if self.topk_blocks < max(self.local_blocks, 1):
+            raise ValueError(
+                f"index_topk_blocks ({self.topk_blocks}) must be >= 1 and >= index_local_blocks "
+                f"({self.local_blocks}): the always-kept local blocks count against the top-k"
+            )
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
+        self.pool: str | None = None  # the ``.index`` pool, bound by kv_pools()
+        self.pool_layer = -1
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Write this step's indexer keys, then return the keep mask ``[T, index_n_heads, max_seq_len]``."""
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, 1, self.head_dim))
+        cos, sin = rotary.cos_sin(positions, q.dtype)
+        width = min(self.head_dim, rotary.rotary_dim)
+        q, k = rotate_prefix(q, cos, sin, width), rotate_prefix(k, cos, sin, width)
+        cache = ctx.cache.pool(self.pool).layer(self.pool_layer)
+        meta = ctx.metadata[self.pool]
+        ctx.backend.write_kv(cache, {"k": k[:, 0]}, meta.slot_mapping)
+        keys = gather_pages(cache["k"], meta)  # [B, S, D]: the cached keys, this step's included
+        return self.select_blocks(self.block_scores(q, keys, meta), meta)
+
+    def block_scores(self, q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Max over each block's visible keys of ``q . k``: ``[T, H_idx, num_blocks]`` (-inf = unseen)."""
+        request, offset, query_pos = query_layout(meta)
+        dtype = compute_dtype(q.dtype)
+        batch, seq = keys.shape[:2]
+        # Queries padded per request, so the score tensor is [B, H, Q, S] rather than [T, S, D].
+        padded = q.new_zeros(batch, meta.max_query_len, self.num_heads, self.head_dim, dtype=dtype)
+        padded[request, offset] = q.to(dtype)
+        scores = torch.einsum("bqhd,bsd->bqhs", padded, keys.to(dtype))[request, offset]  # [T, H, S]
+        future = torch.arange(seq, device=q.device)[None, :] > query_pos[:, None]
+        scores = scores.masked_fill(future[:, None, :], float("-inf"))
+        num_blocks = -(-seq // self.block_size)
+        scores = F.pad(scores, (0, num_blocks * self.block_size - seq), value=float("-inf"))
+        return scores.view(*scores.shape[:2], num_blocks, self.block_size).amax(dim=-1)
+
+    def select_blocks(self, block_scores: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Local blocks plus the best-scoring others, ``index_topk_blocks`` in all, as a key mask."""
+        _, _, query_pos = query_layout(meta)
+        num_tokens, num_heads, num_blocks = block_scores.shape
+        if self.local_blocks:
+            own = query_pos // self.block_size
+            local = (own[:, None] - torch.arange(self.local_blocks, device=own.device)).clamp(min=0)
+            block_scores = block_scores.scatter(-1, local[:, None, :].expand(-1, num_heads, -1), float("inf"))
+        best = block_scores.topk(min(self.topk_blocks, num_blocks), dim=-1)
+        chosen = torch.zeros_like(block_scores, dtype=torch.bool)
+        chosen.scatter_(-1, best.indices, best.values > float("-inf"))
+        keep = chosen.repeat_interleave(self.block_size, dim=-1)[..., : meta.max_seq_len]
+        return keep
+
+
+def query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query token: its request, its offset among that request's queries, its cache position."""
+    device = meta.seq_lens.device
+    query_lens = meta.query_lens.long()
+    request = torch.repeat_interleave(torch.arange(meta.num_requests, device=device), query_lens)
+    offset = torch.arange(meta.num_query_tokens, device=device) - meta.query_start_loc[:-1].long()[request]
+    position = meta.seq_lens.long()[request] - query_lens[request] + offset
+    return request, offset, position
+
+
+def block_sparse_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    keep: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention where head group ``g`` (of ``keep.shape[1]`` contiguous groups) sees only ``keep[:, g]``.
+
+    One backend call per group, with the group's keys as ``custom_mask`` (ANDed with any mask the
+    metadata already carries); groups that chose the same keys share one call.
+    """
+    num_heads, num_kv_heads, groups = q.shape[1], k_cache.shape[2], keep.shape[1]
+    if meta.custom_mask is not None:
+        keep = keep & meta.custom_mask[:, None, : meta.max_seq_len]
+    if groups == 1 or bool((keep == keep[:, :1]).all()):
+        return backend.attention(q, k_cache, v_cache, attrs.evolve(meta, custom_mask=keep[:, 0]), scale=scale)
+    per_group, per_kv = num_heads // groups, num_heads // num_kv_heads
+    outs = []
+    for g in range(groups):
+        first, last = g * per_group, (g + 1) * per_group
+        kv = slice(first // per_kv, (last - 1) // per_kv + 1)
+        group_meta = attrs.evolve(meta, custom_mask=keep[:, g])
+        outs.append(backend.attention(q[:, first:last], k_cache[:, :, kv], v_cache[:, :, kv], group_meta, scale=scale))
+    return torch.cat(outs, dim=1)
+
+
+class MiniMaxM3Attention(nn.Module):
+    """GQA attention with per-head Gemma QK norm and partial RoPE; block-sparse when it has an indexer."""
+
+    def __init__(self, config, layer_idx: int, sparse: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        check_gqa(self.num_heads, self.num_kv_heads)
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
+        self.indexer = MiniMaxM3Indexer(config) if sparse else None
+        if sparse:
+            self._check_head_groups(config.index_n_heads)
+        self.pool: str | None = None  # bound by kv_pools()
+
+    def _check_head_groups(self, index_heads: int) -> None:
+        # Each indexer head serves a contiguous group of query heads, which must not split a KV head's
+        # group unevenly: one group per KV head (the released model), or several of either per other.
+        per_group = self.num_heads // index_heads if self.num_heads % index_heads == 0 else 0
+        per_kv = self.num_heads // self.num_kv_heads
+        if not per_group or (per_group % per_kv and per_kv % per_group):
+            raise ValueError(
+                f"index_n_heads ({index_heads}) must divide num_attention_heads ({self.num_heads}) into groups "
+                f"that align with the {self.num_kv_heads} KV heads (e.g. index_n_heads = num_key_value_heads)"
+            )
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if self.pool is None:
+            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        if self.indexer is None:
+            out = ctx.attend(self.pool, self.layer_idx, q, k, v, scale=self.scale)
+        else:
+            kv = ctx.cache.pool(self.pool).layer(self.layer_idx)
+            meta = ctx.metadata[self.pool]
+            ctx.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
+            keep = self.indexer(x, positions, rotary, ctx)
+            out = block_sparse_attention(ctx.backend, q, kv["k"], kv["v"], meta, keep, scale=self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MiniMaxM3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, sparse_attention: bool, moe: bool):
+        super().__init__()
+        self.self_attn = MiniMaxM3Attention(config, layer_idx, sparse_attention)
+        self.mlp = MiniMaxM3SparseMoeBlock(config) if moe else MiniMaxM3DenseMLP(config, config.dense_intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MiniMaxM3Model(nn.Module):
+    """Embeddings, decoder layers and the final norm (``model.*`` in a text checkpoint)."""
+
+    def __init__(self, config, attention_types: list[str], mlp_types: list[str]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            MiniMaxM3DecoderLayer(config, i, attention_types[i] == SPARSE_LAYER, mlp_types[i] == "sparse")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
+        self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
+
+
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+    "patch_merge_mlp.",
+)
+_LANGUAGE_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_INDEXER_PARTS = re.compile(r"\.self_attn\.index_(q_proj|k_proj|q_norm|k_norm)\.")
+_SPLIT_GATE_UP = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    """MiniMax-M3 causal LM implementing :class:`specdec.models.CausalLM`.
+
+    Serves ``minimax_m3_vl_text`` checkpoints and the text part of ``minimax_m3_vl``
+    (``MiniMaxM3SparseForConditionalGeneration``) ones, whose vision tensors are skipped.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        if config.model_type not in ("minimax_m3_vl_text", "minimax_m3_vl"):
+            raise ValueError(
+                "MiniMaxM3ForCausalLM serves model_type 'minimax_m3_vl_text' or 'minimax_m3_vl', "
+                f"got {config.model_type!r}"
+            )
+        text = text_config_of(config)
+        self.hf_config = config
+        self.text_config = text
+        self.is_multimodal = config.model_type == "minimax_m3_vl"
+        self.num_layers = text.num_hidden_layers
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+        self.tie_word_embeddings = bool(
+            getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
+        )
+        self.attention_types = _per_layer(text, "layer_types", (FULL_LAYER, SPARSE_LAYER), FULL_LAYER)
+        self.mlp_types = _per_layer(text, "mlp_layer_types", ("sparse", "dense"), "sparse")
+        self.required_block_size: int | None = text.index_block_size
+        self.model = MiniMaxM3Model(text, self.attention_types, self.mlp_types)
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+
+    # ----- cache -----
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+        """``prefix``: every layer's K/V; ``prefix + ".index"``: the sparse layers' indexer keys."""
+        if block_size != self.required_block_size:
+            raise ValueError(
+                f"MiniMax-M3's block-sparse attention needs {self.required_block_size}-token KV pages "
+                f"(index_block_size), got block_size={block_size}; use block_size={self.required_block_size}"
+            )
+        attn = self.model.layers[0].self_attn
+        pools: list[PagedPool] = [
+            AttentionPool(
+                prefix,
+                num_layers=self.num_layers,
+                block_size=block_size,
+                num_kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim,
+                dtype=dtype,
+            )
+        ]
+        sparse = [layer.self_attn for layer in self.model.layers if layer.self_attn.indexer is not None]
+        for layer in self.model.layers:
+            layer.self_attn.pool = prefix
+        if sparse:
+            index_pool = prefix + ".index"
+            pools.append(
+                PagedPool(
+                    index_pool,
+                    num_layers=len(sparse),
+                    block_size=block_size,
+                    dtype=dtype,
+                    entries={"k": (self.text_config.index_head_dim,)},
+                )
+            )
+            for j, attn in enumerate(sparse):
+                attn.indexer.pool, attn.indexer.pool_layer = index_pool, j
+        return pools
+
+    # ----- forward -----
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Run the flattened varlen batch; ``aux_layer_ids`` capture the residual entering those layers."""
+        capture = aux_capture_counts(aux_layer_ids, self.num_layers)
+        h = self.embed(input_ids)
+        rotary = self.model.rotary_emb
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            captured.extend([h] * capture.get(i, 0))
+            h = layer(h, positions, rotary, ctx)
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight)
+
+    # ----- weights -----
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights_with_slices(self, weights, self._checkpoint_name)
+
+    def _checkpoint_name(self, name: str) -> str | SliceTarget | None:
+        if name.endswith("rotary_emb.inv_freq") or re.search(r"(^|\.)mtp\.", name):
+            # RoPE tables are recomputed; multi-token-prediction modules are not run by the target.
+            return None
+        if self.is_multimodal:
+            if name.startswith(_VISION_PREFIXES):
+                return None  # language-model-only serving
+            for old, new in _LANGUAGE_PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+                    break
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name  # a bare text-model checkpoint
+        # Hub spellings (what the original checkpoint and a minimax_m3_vl save_pretrained write).
+        name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = _INDEXER_PARTS.sub(r".self_attn.indexer.\1.", name)
+        text = self.text_config
+        sliced = expert_slice(name, text.num_local_experts, text.intermediate_size)
+        if sliced is not None:
+            return sliced
+        split = _SPLIT_GATE_UP.match(name)
+        if split is not None:
+            module, part = split.group(1), split.group(2)
+            shared = module.endswith(".shared_experts")
+            inter = text.shared_intermediate_size if shared else text.dense_intermediate_size
+            rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
+            return SliceTarget(f"{module}.gate_up_proj.weight", (rows,), 2)
+        return name

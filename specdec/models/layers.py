@@ -70,7 +70,10 @@ class RotaryEmbedding(nn.Module):
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
             inv_freq, scaling = 1.0 / (theta**exponents), 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self._rope_type](self._config, device="cpu")
+            # Some init functions create tensors without a device: pin them to the CPU, since the
+            # loader builds models under a meta-device context.
+            with torch.device("cpu"):
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[self._rope_type](self._config, device="cpu")
         # Tables stay in float32 whatever the model dtype: that is how checkpoints are trained and how
         # transformers evaluates them, so float64 runs agree with it to rounding.
         self.inv_freq = inv_freq.float()

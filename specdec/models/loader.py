@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig
 
 from specdec.models.registry import model_class, supported_model_types
 
@@ -54,13 +54,26 @@ def read_config_json(path: str | Path) -> dict:
     return raw
 
 
+# model_types whose config.json only loads through remote code, mapped to the transformers config
+# class of the same architecture (Kimi-K2.x is a DeepSeek-V3 architecture).
+_CONFIG_FALLBACKS = {"kimi_k2": "deepseek_v3"}
+
+
 def load_config(path: str | Path):
-    """The transformers config of a checkpoint folder (offline), with a clear error if it is not one."""
+    """The transformers config of a checkpoint folder (offline), with a clear error if it is not one.
+
+    Remote code is never run: configs transformers cannot read natively fail, except the
+    ``_CONFIG_FALLBACKS`` types, read with the transformers config class of their architecture (they
+    keep their own ``model_type``).
+    """
     folder = Path(path)
-    read_config_json(folder)
+    raw = read_config_json(folder)
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError) as err:
+        fallback = _CONFIG_FALLBACKS.get(raw.get("model_type"))
+        if fallback is not None:
+            return CONFIG_MAPPING[fallback].from_dict(raw)
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, TypeError) as err:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
         raise CheckpointError(f"cannot read the config of {str(path)!r} (model_type {model_type!r}): {err}") from None
 

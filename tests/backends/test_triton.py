@@ -223,3 +223,17 @@ def test_without_gpu_or_interpreter_says_how_to_fix():
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "TritonUnavailableError" in last and "TRITON_INTERPRET=1" in last and "GPU" in last
+
+
+def test_kernel_benchmark_without_gpu_exits_cleanly(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the benchmark times for real")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    assert "needs a GPU" in capsys.readouterr().out

@@ -1,0 +1,111 @@
+"""Speculative-decoding counters with vLLM's definitions (shared/reference/FACTS.md section 1).
+
+- ``num_drafts``: (request, step) pairs that had at least one draft token; a request with 0
+  drafts in a step is not a draft.
+- ``num_draft_tokens`` / ``num_accepted_tokens``: drafted and accepted tokens over all steps.
+- ``accepted_per_position[i]``: drafts whose token at position i was accepted.
+- acceptance at position i = ``accepted_per_position[i] / num_drafts``; mean acceptance length
+  (tau) = ``1 + num_accepted_tokens / num_drafts``; draft acceptance rate = accepted / drafted.
+  With no drafts yet the rates are 0.0 and tau is 1.0 (each step emits its one target token).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import attrs
+import numpy as np
+import torch
+
+Counts = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+def _non_negative(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"SpecStats.{attr.name} must be an int >= 0, got {value!r}")
+
+
+def _non_negative_list(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, list):
+        raise ValueError(f"SpecStats.{attr.name} must be a list of ints, got {type(value).__name__}")
+    for v in value:
+        _non_negative(_inst, attr, v)
+
+
+def _as_counts(name: str, values: Counts) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D sequence of ints (one per request), got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+@attrs.define
+class SpecStats:
+    """Counters since construction or ``reset()``; ``observe`` adds one engine step."""
+
+    num_drafts: int = attrs.field(default=0, validator=_non_negative)
+    num_draft_tokens: int = attrs.field(default=0, validator=_non_negative)
+    num_accepted_tokens: int = attrs.field(default=0, validator=_non_negative)
+    accepted_per_position: list[int] = attrs.field(factory=list, validator=_non_negative_list)
+
+    @classmethod
+    def for_k(cls, num_speculative_tokens: int) -> "SpecStats":
+        """Empty counters with ``accepted_per_position`` pre-sized to k (it grows if needed)."""
+        return cls(accepted_per_position=[0] * num_speculative_tokens)
+
+    def observe(self, num_drafts_per_request: Counts, num_accepted_per_request: Counts) -> None:
+        """Add one step: per request, how many draft tokens it had and how many were accepted."""
+        drafted = _as_counts("num_drafts_per_request", num_drafts_per_request)
+        accepted = _as_counts("num_accepted_per_request", num_accepted_per_request)
+        if drafted.shape != accepted.shape:
+            raise ValueError(
+                f"num_drafts_per_request and num_accepted_per_request differ in length "
+                f"({drafted.size} vs {accepted.size}); pass one entry per request to both"
+            )
+        if drafted.size == 0:
+            return
+        if (accepted < 0).any() or (accepted > drafted).any():
+            raise ValueError("each request needs 0 <= num_accepted <= num_drafts")
+        self.num_drafts += int((drafted > 0).sum())
+        self.num_draft_tokens += int(drafted.sum())
+        self.num_accepted_tokens += int(accepted.sum())
+        longest = int(drafted.max())
+        if longest > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (longest - len(self.accepted_per_position)))
+        # A request with a accepted drafts contributes to positions 0..a-1: count(accepted > i).
+        reached = np.bincount(accepted, minlength=longest + 1)[::-1].cumsum()[::-1][1:]
+        for i, count in enumerate(reached.tolist()):
+            self.accepted_per_position[i] += count
+
+    def reset(self) -> None:
+        """Zero every counter (``accepted_per_position`` keeps its length)."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * len(self.accepted_per_position)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        if self.num_drafts == 0:
+            return [0.0] * len(self.accepted_per_position)
+        return [count / self.num_drafts for count in self.accepted_per_position]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every counter and derived rate, JSON-serialisable (the CLI's ``spec_stats``)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": self.acceptance_per_position,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+        }

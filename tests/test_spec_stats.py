@@ -1,0 +1,53 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.spec_stats import SpecStats
+
+
+def test_hand_computed_two_steps():
+    stats = SpecStats()
+    # Step 1: three requests drafted 3, 3, 0 tokens; accepted 2, 0, 0. The third is not a draft.
+    stats.observe([3, 3, 0], [2, 0, 0])
+    # Step 2 (tensor input): two requests drafted 3 and 2; accepted 3 and 1.
+    stats.observe(torch.tensor([3, 2]), torch.tensor([3, 1]))
+    assert stats.num_drafts == 4
+    assert stats.num_draft_tokens == 11
+    assert stats.num_accepted_tokens == 6
+    assert stats.accepted_per_position == [3, 2, 1]
+    assert stats.acceptance_per_position == [0.75, 0.5, 0.25]
+    assert stats.mean_acceptance_length == 2.5  # = 1 + 6/4 = 1 + sum of per-position rates
+    assert stats.mean_acceptance_length == pytest.approx(1 + sum(stats.acceptance_per_position))
+    assert stats.draft_acceptance_rate == pytest.approx(6 / 11)
+    d = stats.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["accepted_per_position"] == [3, 2, 1] and d["mean_acceptance_length"] == 2.5
+
+
+def test_empty_and_reset():
+    stats = SpecStats.for_k(3)
+    assert stats.as_dict() == {
+        "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+        "accepted_per_position": [0, 0, 0], "acceptance_per_position": [0.0, 0.0, 0.0],
+        "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0,
+    }
+    stats.observe(np.array([0, 0]), np.array([0, 0]))  # no drafts: nothing counts
+    assert stats.num_drafts == 0
+    stats.observe([5], [4])  # grows past the preset length
+    assert stats.accepted_per_position == [1, 1, 1, 1, 0]
+    stats.reset()
+    assert stats == SpecStats(accepted_per_position=[0] * 5)
+
+
+def test_bad_input():
+    stats = SpecStats()
+    with pytest.raises(ValueError, match="num_accepted <= num_drafts"):
+        stats.observe([2], [3])
+    with pytest.raises(ValueError, match="differ in length"):
+        stats.observe([2, 1], [1])
+    with pytest.raises(ValueError, match="ints"):
+        stats.observe([2.5], [1])
+    with pytest.raises(ValueError, match="num_drafts"):
+        SpecStats(num_drafts=-1)

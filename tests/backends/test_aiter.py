@@ -6,6 +6,8 @@ whole page and multiplies the (zero) probabilities of the unused tail by whateve
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import attrs
@@ -173,3 +175,14 @@ def test_missing_package_names_the_extra(monkeypatch):
         aiter_loader.load.cache_clear()
     message = str(info.value)
     assert "pip install specdec[rocm]" in message and "\n" not in message
+
+
+def test_without_gpu_or_interpreter_says_how_to_fix():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from specdec.backends import get_backend; get_backend('aiter')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "AiterUnavailableError" in last and "TRITON_INTERPRET=1" in last

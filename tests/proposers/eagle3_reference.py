@@ -15,8 +15,38 @@ import attrs
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 LAYOUTS = ("eagle", "sglang", "sglang_model", "vllm", "vllm_model", "mla")
+TARGET_LAYERS = 8
+
+
+# ----------------------------------------------------------------------------- targets
+def save_llama_target(folder: Path, num_layers: int = TARGET_LAYERS):
+    """A tiny transformers Llama saved with save_pretrained; returns the (float64) transformers model."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return model.double().eval()
+
+
+def save_deepseek_target(folder: Path, kv_lora_rank: int = 16, qk_rope_head_dim: int = 4) -> None:
+    """A tiny transformers DeepSeek-V3 (MLA, one dense then MoE layers) saved with save_pretrained."""
+    torch.manual_seed(1)
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=8, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    )
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
 
 
 @attrs.define

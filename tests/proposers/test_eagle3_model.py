@@ -11,10 +11,14 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from eagle3_reference import DraftSpec, Reference, make_weights, write_draft
-from transformers import DeepseekV3Config, LlamaConfig
-from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
-from transformers import LlamaForCausalLM as HFLlama
+from eagle3_reference import (
+    DraftSpec,
+    Reference,
+    make_weights,
+    save_deepseek_target,
+    save_llama_target,
+    write_draft,
+)
 
 from specdec.backends import get_backend
 from specdec.backends.base import AttentionMetadata
@@ -23,37 +27,21 @@ from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.models import ForwardContext, load_model
 from specdec.proposers.eagle3 import load_eagle3_draft
 
-TARGET_LAYERS = 8
 PROMPTS = [[3, 17, 5, 9, 41, 2, 33, 8, 12], [7, 1, 60, 22, 22, 5, 14, 9, 30, 11, 2, 48, 6, 19]]
 RTOL = 1e-9
 
 
 @pytest.fixture(scope="module")
 def llama_target(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
     folder = tmp_path_factory.mktemp("llama_target")
-    hf = HFLlama(config)
-    hf.save_pretrained(folder)
-    return load_model(folder, dtype="float64"), hf.double().eval()
+    hf = save_llama_target(folder)
+    return load_model(folder, dtype="float64"), hf
 
 
 @pytest.fixture(scope="module")
 def deepseek_target(tmp_path_factory):
-    torch.manual_seed(1)
-    config = DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        n_shared_experts=1, first_k_dense_replace=1, rope_theta=10000.0, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=0,
-    )
     folder = tmp_path_factory.mktemp("deepseek_target")
-    HFDeepseekV3(config).save_pretrained(folder)
+    save_deepseek_target(folder)
     return load_model(folder, dtype="float64")
 
 

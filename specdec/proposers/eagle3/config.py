@@ -139,7 +139,13 @@ class Eagle3DraftConfig:
                 "draft config: eagle_config.use_aux_hidden_state is false, i.e. an EAGLE-1/2 style head without "
                 "aux hidden states; only EAGLE3 / EAGLE3.1 drafts are supported"
             )
+        declares = architecture != "LlamaForCausalLM" or "draft_vocab_size" in raw or "eagle_config" in raw
         num_layers = raw.get("num_hidden_layers", 1)
+        if num_layers != 1 and not declares:
+            raise ValueError(
+                f"this is not an EAGLE3 draft: its config is a plain LlamaForCausalLM with {num_layers} layers and no "
+                "draft_vocab_size or eagle_config; point the speculative config's model at the draft folder"
+            )
         if num_layers != 1:
             raise ValueError(
                 f"draft config: num_hidden_layers is {num_layers!r}; EAGLE3 drafts have exactly one decoder layer"
@@ -154,13 +160,13 @@ class Eagle3DraftConfig:
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         if ids is not None and not isinstance(ids, (list, tuple)):
             raise ValueError(f"draft config: eagle_aux_hidden_state_layer_ids must be a list, got {ids!r}")
-        hf_config = _hf_config(raw, is_mla)
         hidden = raw.get("hidden_size")
         heads = raw.get("num_attention_heads")
         vocab = raw.get("vocab_size")
         for name, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("vocab_size", vocab)):
             if value is None:
                 raise ValueError(f"draft config lacks {name}")
+        hf_config = _hf_config(raw, is_mla)
         head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
         return cls(
             architecture=architecture,
@@ -178,9 +184,7 @@ class Eagle3DraftConfig:
             aux_layer_ids=None if ids is None else tuple(sorted(_index(i) for i in ids)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            declares_eagle3=(
-                architecture != "LlamaForCausalLM" or "draft_vocab_size" in raw or "eagle_config" in raw
-            ),
+            declares_eagle3=declares,
             q_lora_rank=raw.get("q_lora_rank") if is_mla else None,
             kv_lora_rank=raw.get("kv_lora_rank") if is_mla else None,
             qk_nope_head_dim=raw.get("qk_nope_head_dim") if is_mla else None,
@@ -269,5 +273,9 @@ def _hf_config(raw: Mapping[str, Any], is_mla: bool):
             keep.pop(key, None)
         # DeepseekV3Config defaults q_lora_rank to 1536; an absent key means no q compression here.
         keep["q_lora_rank"] = raw.get("q_lora_rank")
-        return DeepseekV3Config(**keep)
-    return LlamaConfig(**keep)
+    cls = DeepseekV3Config if is_mla else LlamaConfig
+    try:
+        return cls(**keep)
+    except Exception as err:  # transformers' strict validators raise several error types
+        detail = " ".join(str(err).split())
+        raise ValueError(f"draft config is not a valid {cls.__name__}: {detail}") from None

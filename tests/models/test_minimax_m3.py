@@ -25,7 +25,8 @@ from specdec.cache import PagedKVCache
 from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.backends import get_backend
 from specdec.models import CheckpointError, load_model
-from specdec.models.minimax_m3 import MiniMaxM3ForCausalLM, rotate_prefix
+from specdec.backends.base import AttentionMetadata
+from specdec.models.minimax_m3 import MiniMaxM3ForCausalLM, block_sparse_attention, rotate_prefix
 from paged_reference import assert_traces_match, specdec_greedy, transformers_greedy
 
 VOCAB = 96
@@ -180,6 +181,46 @@ def test_indexer_rope_follows_the_reference_table_slicing(index_dim, rotary):
     )
     got = rotate_prefix(x, cos, sin, min(index_dim, rotary))
     torch.testing.assert_close(got, expected[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads, kv_heads, groups", [(4, 2, 2), (8, 2, 4), (8, 4, 2), (4, 2, 1)])
+def test_block_sparse_attention_gives_each_head_group_its_own_keys(heads, kv_heads, groups):
+    """Against a per-head dense softmax; a tree mask already in the metadata is ANDed in."""
+    gen = torch.Generator().manual_seed(heads + groups)
+    page, dim, seq_lens, query_lens = 4, 8, [11, 6], [3, 6]
+    k_cache = torch.randn(6, page, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(6, page, kv_heads, dim, generator=gen, dtype=torch.float64)
+    tables = torch.tensor([[4, 0, 2], [5, 1, 3]], dtype=torch.int32)
+    num_tokens = sum(query_lens)
+    tree = torch.rand(num_tokens, 11, generator=gen) > 0.3
+    meta = AttentionMetadata.build(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        block_size=page,
+        custom_mask=tree,
+    )
+    q = torch.randn(num_tokens, heads, dim, generator=gen, dtype=torch.float64)
+    keep = torch.rand(num_tokens, groups, 11, generator=gen) > 0.4
+    keep[..., 0] = True  # every query keeps some visible key
+    got = block_sparse_attention(get_backend("torch"), q, k_cache, v_cache, meta, keep, scale=0.3)
+
+    expected = torch.empty_like(got)
+    row = 0
+    for r, (s, n) in enumerate(zip(seq_lens, query_lens)):
+        keys = k_cache[tables[r].long()].reshape(-1, kv_heads, dim)[:s]
+        values = v_cache[tables[r].long()].reshape(-1, kv_heads, dim)[:s]
+        for j in range(n):
+            t, pos = row + j, s - n + j
+            for h in range(heads):
+                allowed = keep[t, h // (heads // groups), :s] & tree[t, :s] & (torch.arange(s) <= pos)
+                kv = h // (heads // kv_heads)
+                scores = (keys[:, kv] @ q[t, h]) * 0.3
+                probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=0).nan_to_num(0.0)
+                expected[t, h] = probs @ values[:, kv]
+        row += n
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 # ----- cache layout -----

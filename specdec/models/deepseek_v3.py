@@ -1,0 +1,553 @@
+"""DeepSeek-V3 class decoders (``deepseek_v3``, ``kimi_k2``): MLA attention and a routed MoE.
+
+Attention is Multi-head Latent Attention. Each token caches one latent row: the normalised compressed
+KV (``kv_lora_rank`` columns) followed by the roped shared key part (``qk_rope_head_dim`` columns),
+in an :class:`~specdec.cache.MLAPool`. Attention runs in the *absorbed* form: the key half of
+``kv_b_proj`` is folded into the query, so queries score the latent rows directly, and the value half
+is applied to the attention output. That is algebraically the naive form transformers computes (which
+expands per-head keys and values), without ever materialising them.
+
+The MoE is DeepSeek-V3's: a sigmoid router whose ``e_score_correction_bias`` only steers which experts
+are chosen (the mixing weights are the unbiased scores), group-limited top-k, optional
+renormalisation, ``routed_scaling_factor``, plus always-on shared experts. Layers before
+``first_k_dense_replace`` (and those ``moe_layer_freq`` skips) use a dense MLP instead.
+
+The module tree mirrors the checkpoint names transformers writes. Experts are held stacked
+(``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``, transformers' in-memory
+layout) and load from either that fused layout or the per-expert tensors ``save_pretrained`` and the
+hub checkpoints use (``experts.N.{gate,up,down}_proj.weight``). Multi-token-prediction layers
+(``model.layers.{num_hidden_layers}+``) are skipped: the engine does not run them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Iterable, Iterator, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from specdec.cache.pool import MLAPool, PagedPool
+from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.loader import CheckpointError
+from specdec.models.weights import load_named_weights
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+# transformers (and DeepSeek's own reference code) fix the q/kv latent norms' epsilon at 1e-6,
+# whatever the config's rms_norm_eps says.
+_LATENT_NORM_EPS = 1e-6
+
+
+def _positive(instance, attribute, value) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"config.{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class DeepseekV3Settings:
+    """The architecture switches read from a DeepSeek-V3 / Kimi-K2 config, validated once."""
+
+    num_layers: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    num_heads: int = attrs.field(validator=_positive)
+    q_lora_rank: int | None
+    kv_lora_rank: int = attrs.field(validator=_positive)
+    qk_nope_head_dim: int = attrs.field(validator=_positive)
+    qk_rope_head_dim: int = attrs.field(validator=_positive)
+    v_head_dim: int = attrs.field(validator=_positive)
+    attention_bias: bool
+    rope_interleave: bool
+    softmax_scale: float
+    hidden_act: str
+    intermediate_size: int = attrs.field(validator=_positive)
+    # MoE; num_experts == 0 means every layer is dense.
+    num_experts: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    top_k: int
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"config.q_lora_rank must be positive or null (no q compression), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"config.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; choose one of {sorted(ACT2FN)}")
+        if not self.num_experts:
+            return
+        if self.moe_intermediate_size <= 0 or self.top_k <= 0:
+            raise ValueError("config.moe_intermediate_size and config.num_experts_per_tok must be positive for MoE layers")
+        if self.moe_layer_freq <= 0:
+            raise ValueError(f"config.moe_layer_freq must be a positive integer, got {self.moe_layer_freq}")
+        if self.num_groups <= 0 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"config.n_group ({self.num_groups}) must divide n_routed_experts ({self.num_experts})"
+            )
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"config.topk_group must be in 1..n_group ({self.num_groups}), got {self.topk_groups}")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(
+                "group-limited routing scores each group by its top-2 experts: n_routed_experts / n_group "
+                f"must be >= 2, got {per_group}; lower n_group"
+            )
+        if self.top_k > self.topk_groups * per_group:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the experts in the topk_group selected groups "
+                f"({self.topk_groups * per_group})"
+            )
+
+    @classmethod
+    def from_hf_config(cls, config) -> "DeepseekV3Settings":
+        if getattr(config, "quantization_config", None):
+            method = dict(config.quantization_config).get("quant_method", "?")
+            raise ValueError(
+                f"quantized checkpoints (quant_method {method!r}) are not supported; "
+                "use a bfloat16 / float checkpoint (dequantise the weights first)"
+            )
+        # A missing scoring_func / topk_method is DeepSeek-V3's own routing: transformers hard-codes it
+        # and does not write these keys into the configs it saves.
+        scoring = getattr(config, "scoring_func", None) or "sigmoid"
+        topk_method = getattr(config, "topk_method", None) or "noaux_tc"
+        if scoring != "sigmoid" or topk_method != "noaux_tc":
+            raise ValueError(
+                f"unsupported router scoring_func={scoring!r}, topk_method={topk_method!r}: DeepSeek-V3 / "
+                "Kimi-K2 checkpoints route with scoring_func='sigmoid', topk_method='noaux_tc'"
+            )
+        num_experts = getattr(config, "n_routed_experts", None) or 0
+        num_groups = getattr(config, "n_group", None) or 1
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=getattr(config, "q_lora_rank", None),
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            rope_interleave=bool(getattr(config, "rope_interleave", True)),
+            softmax_scale=mla_softmax_scale(config),
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            intermediate_size=config.intermediate_size,
+            num_experts=num_experts,
+            moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+            num_shared_experts=getattr(config, "n_shared_experts", None) or 0,
+            top_k=getattr(config, "num_experts_per_tok", None) or 0,
+            num_groups=num_groups,
+            topk_groups=getattr(config, "topk_group", None) or num_groups,
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
+            moe_layer_freq=getattr(config, "moe_layer_freq", None) or 1,
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """DeepSeek's rule: routed experts from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
+        return (
+            self.num_experts > 0
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+
+def mla_softmax_scale(config) -> float:
+    """``1/sqrt(qk_head_dim)``, times ``mscale**2`` for YaRN checkpoints that set ``mscale_all_dim``.
+
+    YaRN's ``attention_factor`` (mscale / mscale_all_dim) already scales the RoPE tables, i.e. only the
+    rotary part of q.k; DeepSeek folds the all-dimension factor into the softmax scale instead.
+    """
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if rope_type != "default" and mscale_all_dim:
+        factor = float(params["factor"])
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekV3Attention(nn.Module):
+    """MLA whose latent KV lives in layer ``layer_idx`` of an MLA pool; absorbed-form attention."""
+
+    def __init__(self, s: DeepseekV3Settings, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = s.num_heads
+        self.q_lora_rank = s.q_lora_rank
+        self.kv_lora_rank = s.kv_lora_rank
+        self.qk_nope_head_dim = s.qk_nope_head_dim
+        self.qk_rope_head_dim = s.qk_rope_head_dim
+        self.v_head_dim = s.v_head_dim
+        self.scale = s.softmax_scale
+        qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
+        if s.q_lora_rank is None:
+            self.q_proj = nn.Linear(s.hidden_size, s.num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias)
+            self.q_a_layernorm = RMSNorm(s.q_lora_rank, eps=_LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(s.q_lora_rank, s.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, bias=s.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, eps=_LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
+        self.pool: str | None = None  # bound by DeepseekV3ForCausalLM.kv_pools
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if self.pool is None:
+            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        num_tokens = x.shape[0]
+        nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, nope + rope).split([nope, rope], dim=-1)
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        # k_pe is one key shared by all heads: rotate it as a single head.
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([self.kv_a_layernorm(compressed), k_pe.squeeze(1)], dim=-1)
+
+        # kv_b_proj rows are, per head, nope key rows then value rows, each a map from the latent.
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + self.v_head_dim, rank)
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        query = torch.cat([q_latent, q_pe], dim=-1)
+        out = ctx.attend_mla(self.pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
+        # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
+        values = torch.einsum("thr,hvr->thv", out, w_uv)
+        return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_head_dim))
+
+
+class DeepseekV3MLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))``: the dense layers and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """Sigmoid router with bias-corrected, group-limited top-k selection (DeepSeek-V3 ``noaux_tc``).
+
+    Its parameters stay in at least float32 whatever the model dtype (transformers keeps them in
+    float32 too): the correction bias differs between experts by less than bfloat16 resolves, and it
+    decides which experts run.
+    """
+
+    def __init__(self, s: DeepseekV3Settings):
+        super().__init__()
+        self.top_k = s.top_k
+        self.num_experts = s.num_experts
+        self.num_groups = s.num_groups
+        self.topk_groups = s.topk_groups
+        self.norm_topk_prob = s.norm_topk_prob
+        self.routed_scaling_factor = s.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(s.num_experts, s.hidden_size, dtype=torch.float32))
+        # A parameter, not a buffer, so a checkpoint without it is reported instead of running on garbage.
+        self.e_score_correction_bias = nn.Parameter(torch.empty(s.num_experts, dtype=torch.float32))
+
+    def reset_buffers(self) -> None:
+        """Undo the loader's cast to a half-precision model dtype (called before the weights are copied in)."""
+        for name in ("weight", "e_score_correction_bias"):
+            param = getattr(self, name)
+            if param.dtype not in (torch.float32, torch.float64):
+                param.data = param.data.float()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> (mixing weights ``[T, top_k]`` in >= float32, expert ids ``[T, top_k]``)."""
+        cd = compute_dtype(x.dtype)
+        scores = F.linear(x.to(cd), self.weight.to(cd)).sigmoid()
+        choice = scores + self.e_score_correction_bias.to(cd)
+        if self.topk_groups < self.num_groups:
+            # Keep the topk_groups groups whose two best (biased) experts score highest.
+            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekV3Experts(nn.Module):
+    """The routed experts, stacked: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
+
+    def __init__(self, s: DeepseekV3Settings):
+        super().__init__()
+        self.num_experts = s.num_experts
+        self.intermediate_size = s.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(s.num_experts, 2 * s.moe_intermediate_size, s.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(s.num_experts, s.hidden_size, s.moe_intermediate_size))
+        self.act = ACT2FN[s.hidden_act]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, accumulated in >= float32, as ``[T, H]``.
+
+        (token, choice) pairs are sorted by expert so each expert runs one GEMM over a contiguous slice;
+        the Python loop is over the experts that got tokens, never over tokens.
+        """
+        cd = compute_dtype(x.dtype)
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape, dtype=cd)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // ids.shape[1]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        outputs = []
+        for expert, rows in enumerate(torch.split(x[token_of], counts)):
+            if rows.shape[0] == 0:
+                continue
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act(gate) * up, self.down_proj[expert]))
+        # Back to (token, choice) order with a gather, then a sum over the choices: deterministic, and
+        # far cheaper on CPU than index_add_ (which takes milliseconds even for tiny float64 inputs).
+        routed = torch.cat(outputs)[order.argsort()].to(cd).view(*ids.shape, -1)
+        return (routed * weights.to(cd).unsqueeze(-1)).sum(dim=1)
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, s: DeepseekV3Settings):
+        super().__init__()
+        self.gate = DeepseekV3TopkRouter(s)
+        self.experts = DeepseekV3Experts(s)
+        self.shared_experts = (
+            DeepseekV3MLP(s.hidden_size, s.moe_intermediate_size * s.num_shared_experts, s.hidden_act)
+            if s.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.to(x.dtype)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, s: DeepseekV3Settings, layer_idx: int, rms_norm_eps: float):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(s, layer_idx)
+        self.mlp = (
+            DeepseekV3MoE(s) if s.is_moe_layer(layer_idx) else DeepseekV3MLP(s.hidden_size, s.intermediate_size, s.hidden_act)
+        )
+        self.input_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    """Embeddings, decoder layers and the final norm (``model.*`` in the checkpoint)."""
+
+    def __init__(self, config, s: DeepseekV3Settings):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(s, i, config.rms_norm_eps) for i in range(s.num_layers)
+        )
+        self.norm = RMSNorm(s.hidden_size, eps=config.rms_norm_eps)
+        # No parameters or buffers: its float32 tables are rebuilt by reset_buffers() after loading.
+        self.rotary_emb = RotaryEmbedding(config, s.qk_rope_head_dim, interleaved=s.rope_interleave)
+
+
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """deepseek_v3 / kimi_k2 causal LM implementing :class:`specdec.models.CausalLM`."""
+
+    required_block_size: int | None = None
+
+    def __init__(self, config):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"DeepseekV3ForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
+            )
+        self.settings = DeepseekV3Settings.from_hf_config(config)
+        self.hf_config = config
+        self.num_layers = self.settings.num_layers
+        self.hidden_size = self.settings.hidden_size
+        self.vocab_size = config.vocab_size
+        self.kv_lora_rank = self.settings.kv_lora_rank
+        self.qk_rope_head_dim = self.settings.qk_rope_head_dim
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = DeepseekV3Model(config, self.settings)
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+
+    # ----- cache -----
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+        """One MLA pool named ``prefix`` with every layer's latent rows; binds the layers to it.
+
+        An MLA draft (EAGLE3.1-MLA) can join this pool as extra layers via ``pool.add_layers``.
+        """
+        pool = MLAPool(
+            prefix,
+            num_layers=self.num_layers,
+            block_size=block_size,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            dtype=dtype,
+        )
+        for layer in self.model.layers:
+            layer.self_attn.pool = prefix
+        return [pool]
+
+    # ----- forward -----
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
+
+        ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer
+        ``i`` (0 = the embeddings), concatenated in ascending id order.
+        """
+        capture = self._check_aux_ids(aux_layer_ids)
+        h = self.embed(input_ids)
+        rotary = self.model.rotary_emb
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            captured.extend([h] * capture.get(i, 0))
+            h = layer(h, positions, rotary, ctx)
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight)
+
+    def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
+        """How many times each layer's input is captured, in ascending id order (repeats allowed)."""
+        counts: dict[int, int] = {}
+        for raw in aux_layer_ids:
+            i = operator.index(raw) if not isinstance(raw, bool) else -1
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"aux layer id {raw!r} is out of range: ids name the input of a decoder layer, "
+                    f"0..{self.num_layers - 1} (0 = embeddings)"
+                )
+            counts[i] = counts.get(i, 0) + 1
+        return counts
+
+    # ----- weights -----
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a checkpoint's tensors: fused or per-expert MoE weights, MTP layers skipped."""
+        experts = _PerExpertLoader(self)
+        load_named_weights(
+            self, experts.intercept(weights), rename=self._checkpoint_name, optional=experts.was_filled
+        )
+        experts.check_complete()
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # older checkpoints saved RoPE tables; they are recomputed
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # tied: the output projection is the embedding matrix
+        layer = _layer_index(name)
+        if layer is not None and layer >= self.num_layers:
+            # Multi-token-prediction modules sit after the decoder layers; the engine does not run them.
+            return None
+        return name
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.match(r"^model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+class _PerExpertLoader:
+    """Copies per-expert checkpoint tensors into slices of the stacked expert parameters.
+
+    Tensors of other kinds (and of layers or experts the model does not have) pass through unchanged,
+    so the name-based loader reports or skips them as usual.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM):
+        self._model = model
+        self._filled: dict[str, set[tuple[int, str]]] = {}  # stacked param name -> {(expert, proj)}
+
+    def intercept(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if not self._try_copy(name, tensor):
+                yield name, tensor
+
+    def _try_copy(self, name: str, tensor: torch.Tensor) -> bool:
+        match = _EXPERT_TENSOR.match(name)
+        if match is None:
+            return False
+        layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
+        model = self._model
+        if layer >= model.num_layers or not model.settings.is_moe_layer(layer) or expert >= model.settings.num_experts:
+            return False
+        experts = model.model.layers[layer].mlp.experts
+        size = experts.intermediate_size
+        if proj == "down_proj":
+            param_name, target = "down_proj", experts.down_proj[expert]
+        else:
+            rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+            param_name, target = "gate_up_proj", experts.gate_up_proj[expert, rows]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._filled.setdefault(f"model.layers.{layer}.mlp.experts.{param_name}", set()).add((expert, proj))
+        return True
+
+    def was_filled(self, param_name: str) -> bool:
+        """Stacked parameters that received per-expert tensors; :meth:`check_complete` checks them fully."""
+        return param_name in self._filled
+
+    def check_complete(self) -> None:
+        missing = []
+        for param_name, got in self._filled.items():
+            prefix = param_name.rsplit(".", 1)[0]
+            projs = ("down_proj",) if param_name.endswith("down_proj") else ("gate_proj", "up_proj")
+            missing += [
+                f"{prefix}.{e}.{p}.weight"
+                for e in range(self._model.settings.num_experts)
+                for p in projs
+                if (e, p) not in got
+            ]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"tensors missing from the checkpoint: {shown}")

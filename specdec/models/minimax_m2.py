@@ -124,7 +124,7 @@ class FusedExperts(nn.Module):
         # index_add_, and cheaper on CPU. Routing weights keep the router's (>= float32) precision.
         unsorted = torch.empty_like(out_rows)
         unsorted[order] = out_rows
-        weighted = unsorted.view(num_tokens, top_k, -1) * weights[..., None]
+        weighted = unsorted.view(num_tokens, top_k, x.shape[-1]) * weights[..., None]
         return weighted.sum(dim=1).to(x.dtype)
 
 
@@ -183,7 +183,9 @@ def _index_key(index: tuple) -> tuple:
     return tuple((i.start, i.stop) if isinstance(i, slice) else i for i in index)
 
 
-_PER_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -308,7 +310,10 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = MiniMaxM2Model(config)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._num_experts = config.num_local_experts
         self._intermediate = config.intermediate_size
 

@@ -182,11 +182,20 @@ class MiniMaxM3Indexer(nn.Module):
         meta = ctx.metadata[self.pool]
         ctx.backend.write_kv(cache, {"k": k[:, 0]}, meta.slot_mapping)
         keys = gather_pages(cache["k"], meta)  # [B, S, D]: the cached keys, this step's included
-        return self.select_blocks(self.block_scores(q, keys, meta), meta)
-
-    def block_scores(self, q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Max over each block's visible keys of ``q . k``: ``[T, H_idx, num_blocks]`` (-inf = unseen)."""
         request, offset, query_pos = query_layout(meta)
+        scores = self.block_scores(q, keys, meta, request, offset, query_pos)
+        return self.select_blocks(scores, query_pos, meta.max_seq_len)
+
+    def block_scores(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        meta: AttentionMetadata,
+        request: torch.Tensor,
+        offset: torch.Tensor,
+        query_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Max over each block's visible keys of ``q . k``: ``[T, H_idx, num_blocks]`` (-inf = unseen)."""
         dtype = compute_dtype(q.dtype)
         batch, seq = keys.shape[:2]
         # Queries padded per request, so the score tensor is [B, H, Q, S] rather than [T, S, D].
@@ -199,10 +208,10 @@ class MiniMaxM3Indexer(nn.Module):
         scores = F.pad(scores, (0, num_blocks * self.block_size - seq), value=float("-inf"))
         return scores.view(*scores.shape[:2], num_blocks, self.block_size).amax(dim=-1)
 
-    def select_blocks(self, block_scores: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Local blocks plus the best-scoring others, ``index_topk_blocks`` in all, as a key mask."""
-        _, _, query_pos = query_layout(meta)
-        num_tokens, num_heads, num_blocks = block_scores.shape
+    def select_blocks(self, block_scores: torch.Tensor, query_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Local blocks plus the best-scoring others, ``index_topk_blocks`` in all, as a key mask
+        ``[T, H_idx, max_seq_len]``."""
+        num_heads, num_blocks = block_scores.shape[1:]
         if self.local_blocks:
             own = query_pos // self.block_size
             local = (own[:, None] - torch.arange(self.local_blocks, device=own.device)).clamp(min=0)
@@ -210,8 +219,7 @@ class MiniMaxM3Indexer(nn.Module):
         best = block_scores.topk(min(self.topk_blocks, num_blocks), dim=-1)
         chosen = torch.zeros_like(block_scores, dtype=torch.bool)
         chosen.scatter_(-1, best.indices, best.values > float("-inf"))
-        keep = chosen.repeat_interleave(self.block_size, dim=-1)[..., : meta.max_seq_len]
-        return keep
+        return chosen.repeat_interleave(self.block_size, dim=-1)[..., :max_seq_len]
 
 
 def query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -175,9 +175,8 @@ def test_unexpected_tensors_are_named(tmp_path, ckpt):
     path = _copy_with(tmp_path, ckpt, lambda t: t.update({"model.layers.0.self_attn.sinks": torch.zeros(4)}))
     with pytest.raises(CheckpointError, match=r"unexpected.*layers\.0\.self_attn\.sinks"):
         load_model(path, dtype="float64")
-    path = _copy_with(
-        tmp_path / "b", ckpt, lambda t: t.update({"model.layers.0.block_sparse_moe.experts.6.w1.weight": torch.zeros(16, 32)})
-    )
+    extra = {"model.layers.0.block_sparse_moe.experts.6.w1.weight": torch.zeros(16, 32)}
+    path = _copy_with(tmp_path / "b", ckpt, lambda t: t.update(extra))
     with pytest.raises(CheckpointError, match="expert 6, the model has 6 experts"):
         load_model(path, dtype="float64")
 
@@ -186,9 +185,8 @@ def test_shape_mismatches_are_named(tmp_path, ckpt):
     path = _copy_with(tmp_path, ckpt, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}))
     with pytest.raises(CheckpointError, match=r"q_norm.weight.*\(8,\).*\(32,\)"):
         load_model(path, dtype="float64")
-    path = _copy_with(
-        tmp_path / "b", ckpt, lambda t: t.update({"model.layers.0.block_sparse_moe.experts.0.w2.weight": torch.zeros(16, 32)})
-    )
+    wrong = {"model.layers.0.block_sparse_moe.experts.0.w2.weight": torch.zeros(16, 32)}
+    path = _copy_with(tmp_path / "b", ckpt, lambda t: t.update(wrong))
     with pytest.raises(CheckpointError, match=r"experts\.0\.w2\.weight.*\(16, 32\).*\(32, 16\)"):
         load_model(path, dtype="float64")
 

@@ -296,7 +296,8 @@ def test_missing_expert_piece_of_a_hub_checkpoint_is_named(tmp_path, vl_ckpt):
 
 
 def test_unexpected_tensor_is_named(tmp_path, text_ckpt):
-    path = _copy_with(tmp_path, text_ckpt, lambda t: t.update({"model.layers.1.self_attn.indexer.q_proj.weight": torch.zeros(32, 32)}))
+    extra = {"model.layers.1.self_attn.indexer.q_proj.weight": torch.zeros(32, 32)}  # layer 1 is full attention
+    path = _copy_with(tmp_path, text_ckpt, lambda t: t.update(extra))
     with pytest.raises(CheckpointError, match="unexpected.*layers.1.self_attn.indexer"):
         load_model(path, dtype="float64")
 

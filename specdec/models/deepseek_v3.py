@@ -89,7 +89,9 @@ class DeepseekV3Settings:
         if not self.num_experts:
             return
         if self.moe_intermediate_size <= 0 or self.top_k <= 0:
-            raise ValueError("config.moe_intermediate_size and config.num_experts_per_tok must be positive for MoE layers")
+            raise ValueError(
+                "config.moe_intermediate_size and config.num_experts_per_tok must be positive for MoE layers"
+            )
         if self.moe_layer_freq <= 0:
             raise ValueError(f"config.moe_layer_freq must be a positive integer, got {self.moe_layer_freq}")
         if self.num_groups <= 0 or self.num_experts % self.num_groups:
@@ -354,9 +356,10 @@ class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, s: DeepseekV3Settings, layer_idx: int, rms_norm_eps: float):
         super().__init__()
         self.self_attn = DeepseekV3Attention(s, layer_idx)
-        self.mlp = (
-            DeepseekV3MoE(s) if s.is_moe_layer(layer_idx) else DeepseekV3MLP(s.hidden_size, s.intermediate_size, s.hidden_act)
-        )
+        if s.is_moe_layer(layer_idx):
+            self.mlp = DeepseekV3MoE(s)
+        else:
+            self.mlp = DeepseekV3MLP(s.hidden_size, s.intermediate_size, s.hidden_act)
         self.input_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
 

@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from paged_reference import assert_traces_match, specdec_greedy, transformers_greedy
-from specdec.cache import MLAPool
+from specdec.backends import get_backend
+from specdec.cache import MLAPool, PagedKVCache
+from specdec.engine.model_runner import Chunk, ModelRunner
 from specdec.models import CheckpointError, load_model
 from specdec.models.deepseek_v3 import DeepseekV3ForCausalLM as OurDeepseekV3
 from specdec.models.deepseek_v3 import mla_softmax_scale
@@ -173,6 +175,29 @@ def test_paged_prefill_and_decode_match_transformers(variant, block_size):
     assert all(len(set(tokens)) > 3 for tokens in reference.tokens), reference.tokens
 
 
+def test_chunked_prefill_matches_one_shot_prefill(qlora_ckpt):
+    """Multi-token queries over an existing cache (chunked prefill, the verify shape) see the right keys."""
+    model = load_model(qlora_ckpt, dtype="float64")
+    prompts = _prompts()
+
+    def run(splits):
+        cache = PagedKVCache(1 << 24)
+        pools = [cache.register(p) for p in model.kv_pools("target", 16, torch.float64)]
+        cache.build()
+        runner = ModelRunner(model, cache, get_backend("torch"), [p.name for p in pools])
+        outs = []
+        for lo, hi in splits:
+            chunks = [Chunk(i, p[lo(p) : hi(p)]) for i, p in enumerate(prompts)]
+            outs.append(runner.forward(chunks).hidden_states.split([len(c.token_ids) for c in chunks]))
+        return [torch.cat([out[i] for out in outs]) for i in range(len(prompts))]
+
+    whole = run([(lambda p: 0, len)])
+    # Ragged split points: every request continues a cached prefix with several new queries.
+    chunked = run([(lambda p: 0, lambda p: len(p) // 3), (lambda p: len(p) // 3, len)])
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_structure_follows_the_config(variant):
     name, folder, _ = variant
     model = load_model(folder, dtype="float64")
@@ -211,9 +236,8 @@ def test_fused_expert_tensors_load_like_per_expert_ones(qlora_ckpt, tmp_path):
             prefix = f"model.layers.{layer}.mlp.experts"
             gate_up, down = [], []
             for e in range(BASE["n_routed_experts"]):
-                gate_up.append(
-                    torch.cat([tensors.pop(f"{prefix}.{e}.gate_proj.weight"), tensors.pop(f"{prefix}.{e}.up_proj.weight")])
-                )
+                gate = tensors.pop(f"{prefix}.{e}.gate_proj.weight")
+                gate_up.append(torch.cat([gate, tensors.pop(f"{prefix}.{e}.up_proj.weight")]))
                 down.append(tensors.pop(f"{prefix}.{e}.down_proj.weight"))
             tensors[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
             tensors[f"{prefix}.down_proj"] = torch.stack(down)
@@ -256,7 +280,8 @@ def test_kimi_k2_config_with_legacy_rope_keys_loads(qlora_ckpt, tmp_path):
 
 
 def test_moe_layer_freq_interleaves_dense_layers():
-    config = DeepseekV3Config(**{**BASE, "num_hidden_layers": 5}, **{**VARIANTS["plain_tied"], "first_k_dense_replace": 1})
+    settings = {**BASE, **VARIANTS["plain_tied"], "num_hidden_layers": 5, "first_k_dense_replace": 1}
+    config = DeepseekV3Config(**settings)
     config.moe_layer_freq = 2
     model = OurDeepseekV3(config)
     assert [hasattr(layer.mlp, "gate") for layer in model.model.layers] == [False, False, True, False, True]

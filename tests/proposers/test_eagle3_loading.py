@@ -392,3 +392,19 @@ def test_rope_scaling_is_read_from_the_draft_config(target, deepseek, tmp_path):
     assert yarn.rotary._rope_type == "yarn" and yarn.rotary.interleaved
     # DeepSeek folds YaRN's all-dimension mscale into the softmax scale: (0.1 ln 4 + 1)^2 / sqrt(12).
     assert yarn.midlayer.self_attn.scale == pytest.approx((0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2 / 12**0.5)
+
+
+def test_pytorch_bin_checkpoint(target, tmp_path):
+    """Some EAGLE reference drafts ship pytorch_model.bin instead of safetensors."""
+    spec = DraftSpec(layout="eagle", aux_ids=None, draft_vocab=40)
+    weights = make_weights(spec)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(draft_config(spec)))
+    torch.save({n: t.float() if t.is_floating_point() else t for n, t in weights.items()}, folder / "pytorch_model.bin")
+    draft = load_eagle3_draft(folder, target)
+    assert torch.equal(draft.fc.weight, weights["fc.weight"].float().double())
+    assert torch.equal(draft.d2t, weights["d2t"])
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"cannot read .*pytorch_model\.bin"):
+        load_eagle3_draft(folder, target)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec.models.loader import CheckpointError, iter_safetensors, resolve_dtype
+from specdec.models.loader import CheckpointError, resolve_dtype
 from specdec.models.weights import load_named_weights
-from specdec.proposers.eagle3.checkpoint import canonical_name, checkpoint_shapes
+from specdec.proposers.eagle3.checkpoint import canonical_name, checkpoint_shapes, iter_draft_tensors
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3Head
 from specdec.proposers.eagle3.model import Eagle3LlamaDraft
@@ -71,7 +71,7 @@ def load_eagle3_draft(
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-    load_named_weights(draft, iter_safetensors(path), rename=canonical_name)
+    load_named_weights(draft, iter_draft_tensors(path), rename=canonical_name)
     try:
         _finish_vocab_map(draft, has_d2t="d2t" in shapes, has_t2d="t2d" in shapes)
     except ValueError as err:

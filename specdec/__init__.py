@@ -1,18 +1,32 @@
-"""specdec: pluggable speculative-decoding strategies for LLM inference."""
+"""specdec: pluggable speculative-decoding strategies for LLM inference.
 
-from specdec.llm import LLM
-from specdec.outputs import RequestOutput
-from specdec.sampling.params import SamplingParams
+The public names are imported on first use, so ``specdec --help`` and light tools do not pay for
+importing torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig"]
+_EXPORTS = {
+    "LLM": "specdec.llm",
+    "RequestOutput": "specdec.outputs",
+    "SamplingParams": "specdec.sampling.params",
+    "SpeculativeConfig": "specdec.proposers.config",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # SpeculativeConfig lives with the proposers; imported on first use.
-    if name == "SpeculativeConfig":
-        from specdec.proposers.config import SpeculativeConfig
-
-        return SpeculativeConfig
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -99,7 +99,7 @@ class LLMEngine:
         if proposer is not None:
             from specdec.spec_stats import SpecStats
 
-            self.spec_stats = SpecStats()
+            self.spec_stats = SpecStats.for_k(self.num_speculative_tokens)
         self.record_trace = False
         self.trace: list[dict] = []
         self._seed_rng = random.Random(seed)

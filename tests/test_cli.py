@@ -1,0 +1,96 @@
+"""``specdec generate``: JSON output, help, and one-line errors with exit 2.
+
+The main paths run as real processes; the long list of error cases calls ``main`` in-process
+(the same code, minus a torch import per case).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    # python -m keeps the test independent of where the console script was installed.
+    return subprocess.run(
+        [sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def test_generate_json_matches_the_python_api(llama):
+    proc = run(
+        "generate", "--model", llama, "--dtype", "float64", "--kv-cache-memory", "4M",
+        "--prompt-ids", "1,2,3", "--prompt", "def hello ( x ) :", "--prompt-ids", "5,5,5",
+        "--max-tokens", "7", "--ignore-eos", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"outputs", "spec_stats"} and result["spec_stats"] is None
+    llm = LLM(llama, dtype="float64", kv_cache_memory=4 << 20)
+    expected = llm.generate([[1, 2, 3], "def hello ( x ) :", [5, 5, 5]], SamplingParams(max_tokens=7, ignore_eos=True),
+                            use_tqdm=False)
+    assert result["outputs"] == [o.as_dict() for o in expected]
+    assert [o["finish_reason"] for o in result["outputs"]] == ["length"] * 3
+
+
+def test_plain_output_and_help(llama):
+    proc = run("generate", "--model", llama, "--prompt", "hello world", "--max-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("[0] (")
+    helped = run("generate", "--help")
+    assert helped.returncode == 0
+    for option in ("--speculative-config", "--prompt-ids", "--kv-cache-memory", "--trace", "examples:"):
+        assert option in helped.stdout
+
+
+def _check_error(code: int, stderr: str, needle: str) -> None:
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert needle in lines[0]
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "--prompt", "x"], "--model"),
+        (["generate", "--model", "/no/such/folder", "--prompt", "x"], "does not exist"),
+    ],
+)
+def test_errors_from_a_real_process(args, needle):
+    proc = run(*args)
+    _check_error(proc.returncode, proc.stderr, needle)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "--model", "{llama}"], "--prompt"),
+        (["generate", "--model", "{llama}", "--prompt-ids", "1,a"], "--prompt-ids"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--attention-backend", "nope"], "unknown attention backend"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--dtype", "int3"], "unknown dtype"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--kv-cache-memory", "lots"], "kv-cache-memory"),
+        (["generate", "--model", "{llama}", "--prompt-ids", "1,2", "--kv-cache-memory", "2K", "--max-tokens", "200"],
+         "kv_cache_memory"),
+        (["generate", "--model", "{llama}", "--prompt-ids", "1,999"], "vocabulary"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--speculative-config", "warp:k=3"], "warp"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--block-size", "0"], "block_size"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_errors_are_one_line_with_exit_2(args, needle, llama, capsys):
+    code = main([a.replace("{llama}", llama) for a in args])
+    _check_error(code, capsys.readouterr().err, needle)

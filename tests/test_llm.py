@@ -1,0 +1,139 @@
+"""The ``LLM`` facade: sampling reproducibility, text prompts, stops, limits and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, RequestOutput, SamplingParams
+
+PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11, 12, 13], [100], [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    return LLM(llama, dtype="float64", block_size=4, kv_cache_memory=1 << 22)
+
+
+def _sampled(max_tokens=12, seed=None, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True, **kw)
+
+
+def test_seeded_request_is_independent_of_its_batch(llama, llm):
+    alone = llm.generate([PROMPTS[2]], _sampled(seed=1234), use_tqdm=False)[0].token_ids
+    others = [_sampled(), SamplingParams(max_tokens=5), _sampled(seed=1234), _sampled(max_tokens=30), _sampled(seed=9)]
+    batched = llm.generate(PROMPTS, others, use_tqdm=False)
+    assert batched[2].token_ids == alone
+    # Different row order and a tiny budget that forces preemption: still the same tokens.
+    small = LLM(llama, dtype="float64", block_size=4, kv_cache_memory=_bytes_per_token(llm) * 48)
+    reordered = small.generate(PROMPTS[::-1], others[::-1], use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    assert reordered[2].token_ids == alone
+    # The seed matters: another one gives another continuation.
+    assert llm.generate([PROMPTS[2]], _sampled(seed=1235), use_tqdm=False)[0].token_ids != alone
+
+
+def test_unseeded_requests_follow_the_llm_seed(llama):
+    runs = []
+    for seed in (0, 0, 1):
+        llm = LLM(llama, dtype="float64", kv_cache_memory=1 << 22, seed=seed)
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, _sampled(max_tokens=16), use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    # Requests of one run do not share random numbers: the same prompt twice differs.
+    llm = LLM(llama, dtype="float64", kv_cache_memory=1 << 22)
+    twins = llm.generate([PROMPTS[0], PROMPTS[0]], _sampled(max_tokens=16), use_tqdm=False)
+    assert twins[0].token_ids != twins[1].token_ids
+
+
+def test_greedy_is_the_argmax_path(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10), use_tqdm=False)
+    again = llm.generate(PROMPTS[::-1], SamplingParams(max_tokens=10), use_tqdm=False)[::-1]
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in again]
+    assert all(isinstance(o, RequestOutput) and o.text is not None for o in greedy)
+
+
+def test_text_prompts_are_encoded_and_outputs_decoded(llm):
+    out = llm.generate(["def hello ( x ) :"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    assert out.prompt_token_ids == tok("def hello ( x ) :")["input_ids"]
+    assert out.prompt_token_ids[0] == 1  # the tokenizer's BOS
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text.split() == [tok.convert_ids_to_tokens(t) for t in out.token_ids if t > 2]
+
+
+def test_stop_token_ids_eos_and_ignore_eos(llm):
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    # The tiny llama emits EOS (id 2) early for this prompt: generation ends there unless told not to.
+    assert 2 in free.token_ids
+    with_eos = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20), use_tqdm=False)[0]
+    assert with_eos.token_ids == free.token_ids[: free.token_ids.index(2) + 1]
+    assert with_eos.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+
+
+def test_max_model_len_caps_generation(llama):
+    llm = LLM(llama, dtype="float64", kv_cache_memory=1 << 22, max_model_len=10)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(3, 13))], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(llama, max_model_len=10_000)
+
+
+def test_request_too_large_fails_up_front_naming_kv_cache_memory(llm, llama):
+    small = LLM(llama, dtype="float64", block_size=4, kv_cache_memory=_bytes_per_token(llm) * 40)
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=200)]
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        small.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False)
+    # Nothing was queued by the failed call: the engine serves the next call normally.
+    assert not small.engine.has_unfinished()
+    ok = small.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(ok[0].token_ids) == 8
+
+
+def test_bad_inputs_are_clear_errors(llm, tiny_checkpoint):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 999]], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([[1], [2]], [SamplingParams()] * 3, use_tqdm=False)
+    with pytest.raises(ValueError, match="not a single string"):
+        llm.generate("hello", use_tqdm=False)
+    no_tokenizer = LLM(str(tiny_checkpoint("qwen3")), kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        no_tokenizer.generate(["hello"], use_tqdm=False)
+    assert no_tokenizer.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].text is None
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        LLM(str(tiny_checkpoint("qwen3")), attention_backend="nope")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(str(tiny_checkpoint("qwen3")), kv_cache_memory=0)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/nonexistent/model/folder")
+
+
+def test_spec_stats_is_none_without_speculation(llm):
+    assert llm.spec_stats() is None
+    llm.reset_spec_stats()  # harmless
+
+
+def test_default_kv_cache_memory_fits_max_num_seqs_full_requests(llama):
+    llm = LLM(llama, dtype="float64", max_num_seqs=4)
+    cache = llm.engine.cache
+    assert cache.memory_budget == _bytes_per_token(llm) * 4 * llm.max_model_len
+    assert cache.capacity()["target"] >= 4 * llm.max_model_len - cache.pool("target").block_size
+
+
+def _bytes_per_token(llm: LLM) -> int:
+    return sum(p.bytes_per_token() for p in llm.engine.cache.pools.values())

@@ -48,7 +48,8 @@ def _load_torch_file(file: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
-        raise CheckpointError(f"cannot read {str(file)!r} as a tensor state dict: {' '.join(str(err).split())}") from None
+        detail = " ".join(str(err).split())
+        raise CheckpointError(f"cannot read {str(file)!r} as a tensor state dict: {detail}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{str(file)!r} does not hold a flat name -> tensor state dict")
     return state

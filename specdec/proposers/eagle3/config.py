@@ -167,7 +167,9 @@ class Eagle3DraftConfig:
             if value is None:
                 raise ValueError(f"draft config lacks {name}")
         hf_config = _hf_config(raw, is_mla)
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+        head_dim = raw.get("head_dim")
+        if head_dim is None and isinstance(hidden, int) and isinstance(heads, int):
+            head_dim = hidden // heads
         return cls(
             architecture=architecture,
             attention="mla" if is_mla else "mha",

@@ -132,7 +132,9 @@ class Eagle3Head(nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
         if self._target_embed is None:
-            raise RuntimeError("the draft has no embedding of its own and was not given the target's: use load_eagle3_draft")
+            raise RuntimeError(
+                "the draft has no embedding of its own and was not given the target's: use load_eagle3_draft"
+            )
         return self._target_embed(input_ids).to(self.fc.weight.dtype)
 
     def combine_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:

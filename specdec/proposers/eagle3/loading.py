@@ -128,7 +128,9 @@ def _plan(config: Eagle3DraftConfig, shapes: dict[str, tuple[int, ...]], target,
             f"{hidden}, so it cannot share the target's lm_head"
         )
     if "d2t" in shapes and shapes["d2t"] != (config.draft_vocab_size,):
-        raise ValueError(f"d2t has shape {list(shapes['d2t'])}, expected [{config.draft_vocab_size}] (draft_vocab_size)")
+        raise ValueError(
+            f"d2t has shape {list(shapes['d2t'])}, expected [{config.draft_vocab_size}] (draft_vocab_size)"
+        )
     if "t2d" in shapes and shapes["t2d"] != (vocab,):
         raise ValueError(f"t2d has shape {list(shapes['t2d'])}, expected [{vocab}] (the target vocabulary)")
     if "d2t" not in shapes and config.draft_vocab_size < vocab:
@@ -173,7 +175,10 @@ def _check_fc(config: Eagle3DraftConfig, shapes: dict[str, tuple[int, ...]], hid
     if in_features != expected:
         hint = ""
         if in_features % hidden == 0:
-            hint = f"; it fuses {in_features // hidden} layers: set eagle_config.eagle_aux_hidden_state_layer_ids to match"
+            hint = (
+                f"; it fuses {in_features // hidden} layers: "
+                "set eagle_config.eagle_aux_hidden_state_layer_ids to match"
+            )
         raise ValueError(
             f"fc.weight takes {in_features} inputs but the target's hidden size {hidden} x {len(aux_ids)} aux layers "
             f"{list(aux_ids)} is {expected}{hint}"
@@ -227,7 +232,9 @@ def _finish_vocab_map(draft: Eagle3Head, *, has_d2t: bool, has_t2d: bool) -> Non
         bad = int(target_ids[(target_ids < 0) | (target_ids >= vocab)][0])
         raise ValueError(f"d2t maps a draft id to target id {bad}, outside the target vocabulary 0..{vocab - 1}")
     if target_ids.unique().numel() != target_ids.numel():
-        raise ValueError("d2t maps two draft ids to the same target id; d2t holds offsets (target = draft + d2t[draft])")
+        raise ValueError(
+            "d2t maps two draft ids to the same target id; d2t holds offsets (target = draft + d2t[draft])"
+        )
     mask = torch.zeros(vocab, dtype=torch.bool, device=draft.t2d.device)
     mask[target_ids] = True
     if has_t2d and not torch.equal(draft.t2d, mask):

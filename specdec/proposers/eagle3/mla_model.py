@@ -99,7 +99,9 @@ class Eagle3MLADraft(Eagle3Head):
         """Keep the draft's latent rows in layer ``layer_index`` of ``pool`` (checked with :meth:`check_pool`)."""
         self.check_pool(pool)
         if not 0 <= layer_index < pool.num_layers:
-            raise ValueError(f"pool {pool.name!r} has {pool.num_layers} layers, cannot bind the draft to layer {layer_index}")
+            raise ValueError(
+                f"pool {pool.name!r} has {pool.num_layers} layers, cannot bind the draft to layer {layer_index}"
+            )
         attn = self.midlayer.self_attn
         attn.pool, attn.layer_idx = pool.name, layer_index
 

@@ -28,20 +28,37 @@ def llama(tiny_checkpoint):
     return str(tiny_checkpoint("llama"))
 
 
-def test_generate_json_matches_the_python_api(llama):
+def test_generate_json_with_speculation_and_trace(llama):
     proc = run(
         "generate", "--model", llama, "--dtype", "float64", "--kv-cache-memory", "4M",
-        "--prompt-ids", "1,2,3", "--prompt", "def hello ( x ) :", "--prompt-ids", "5,5,5",
-        "--max-tokens", "7", "--ignore-eos", "--json",
+        "--speculative-config", "ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2",
+        "--prompt-ids", "1,2,3", "--prompt", "def hello ( x ) :", "--prompt-ids", "5,5,5,5",
+        "--max-tokens", "12", "--ignore-eos", "--json", "--trace",
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result) == {"outputs", "spec_stats"} and result["spec_stats"] is None
+    assert set(result) == {"outputs", "spec_stats", "trace"}
+    # Greedy speculation is lossless: the same outputs as the Python API without speculation.
     llm = LLM(llama, dtype="float64", kv_cache_memory=4 << 20)
-    expected = llm.generate([[1, 2, 3], "def hello ( x ) :", [5, 5, 5]], SamplingParams(max_tokens=7, ignore_eos=True),
-                            use_tqdm=False)
+    prompts = [[1, 2, 3], "def hello ( x ) :", [5, 5, 5, 5]]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert result["outputs"] == [o.as_dict() for o in expected]
     assert [o["finish_reason"] for o in result["outputs"]] == ["length"] * 3
+
+    stats, trace = result["spec_stats"], result["trace"]
+    assert stats["num_drafts"] == len(trace) > 0
+    assert stats["num_draft_tokens"] == sum(len(e["draft_token_ids"]) for e in trace)
+    assert stats["num_accepted_tokens"] == sum(e["num_accepted"] for e in trace)
+    steps = [(e["step"], e["request"]) for e in trace]
+    assert steps == sorted(steps, key=lambda sr: sr[0]) and len(set(steps)) == len(steps)
+    for entry in trace:
+        a = entry["num_accepted"]
+        assert entry["emitted_token_ids"][:a] == entry["draft_token_ids"][:a]
+        assert len(entry["emitted_token_ids"]) <= a + 1
+        assert 1 <= len(entry["draft_token_ids"]) <= 3
+        # What was emitted is a piece of that request's output.
+        out = result["outputs"][entry["request"]]["token_ids"]
+        assert any(out[i : i + len(entry["emitted_token_ids"])] == entry["emitted_token_ids"] for i in range(len(out)))
 
 
 def test_plain_output_and_help(llama):

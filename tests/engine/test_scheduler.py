@@ -1,0 +1,131 @@
+"""Scheduler and Sequence on a real paged cache (the forward is replaced by its page bookkeeping)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.cache import AttentionPool, PagedKVCache
+from specdec.engine import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from specdec.sampling import SamplingParams
+
+
+def _cache(tokens: int, pools=(("target", 4),)) -> PagedKVCache:
+    """A cache whose every pool holds ``tokens`` tokens (bytes per token = 1 * 1 * 1 * 2 * 8)."""
+    cache = PagedKVCache(memory_budget=tokens * 16 * len(pools))
+    for name, block in pools:
+        cache.register(AttentionPool(name, num_layers=1, block_size=block, num_kv_heads=1, head_dim=1, dtype=torch.float64))
+    cache.build()
+    return cache
+
+
+def _seq(i: int, prompt_len: int, max_tokens: int = 8, max_model_len: int = 1000, **kw) -> Sequence:
+    return Sequence(i, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw),
+                    seed=0, max_model_len=max_model_len, index=i)
+
+
+def _run_step(scheduler: Scheduler, cache: PagedKVCache):
+    """What the engine does to the cache in a step with no drafts accepted: grow, emit, trim."""
+    batch = scheduler.schedule()
+    for seq, drafts in zip(batch.seqs, batch.max_drafts):
+        new = seq.num_tokens - cache.num_tokens(seq.seq_id, "target") + drafts
+        cache.append_slots(seq.seq_id, new)  # must never raise: the scheduler reserved it
+        seq.append([7])
+        if seq.is_finished:
+            scheduler.finish(seq)
+        else:
+            cache.truncate(seq.seq_id, seq.num_tokens - 1)
+    return batch
+
+
+def test_admits_up_to_max_num_seqs_and_mixes_prefill_with_decode():
+    cache = _cache(1000)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2))
+    scheduler.bind(cache, "target")
+    seqs = [_seq(i, 5) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    first = _run_step(scheduler, cache)
+    assert [s.seq_id for s in first.seqs] == [0, 1]
+    assert seqs[2].status is SequenceStatus.WAITING
+    for _ in range(7):
+        _run_step(scheduler, cache)
+    assert seqs[0].is_finished and seqs[1].is_finished
+    # The third was admitted as soon as a slot freed: it is now decoding.
+    batch = _run_step(scheduler, cache)
+    assert [s.seq_id for s in batch.seqs] == [2]
+
+
+def test_token_budget_limits_prefills_but_lets_a_long_one_run_alone():
+    cache = _cache(1000)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10))
+    scheduler.bind(cache, "target")
+    for i, n in enumerate([12, 4, 4, 4]):
+        scheduler.add(_seq(i, n))
+    assert [s.seq_id for s in _run_step(scheduler, cache).seqs] == [0]  # 12 > 10, but alone
+    # Next: one decode token, then prefills of 4 + 4 (1 + 8 <= 10); the third waits.
+    assert [s.seq_id for s in _run_step(scheduler, cache).seqs] == [0, 1, 2]
+
+
+def test_preempts_the_newest_request_and_recomputes_it_later():
+    # 24 tokens of pages (6 blocks of 4): two requests of 8-token prompts fill 4 blocks; growing
+    # to 8 + 8 generated tokens each cannot last.
+    cache = _cache(24)
+    scheduler = Scheduler()
+    scheduler.bind(cache, "target")
+    a, b = _seq(0, 8, max_tokens=9), _seq(1, 8, max_tokens=9)
+    scheduler.add(a)
+    scheduler.add(b)
+    preempted_at = None
+    for step in range(40):
+        batch = _run_step(scheduler, cache)
+        if batch.preempted and preempted_at is None:
+            preempted_at = step
+            assert batch.preempted == [b]  # the newest goes
+            assert cache.num_tokens(b.seq_id, "target") == 0
+            assert scheduler.waiting[0] is b and b.status is SequenceStatus.WAITING
+        if not scheduler.has_unfinished():
+            break
+    assert preempted_at is not None and scheduler.num_preemptions >= 1
+    assert a.is_finished and b.is_finished
+    assert a.output_token_ids == b.output_token_ids == [7] * 9
+    assert cache.requests() == [] and cache.num_free_blocks("target") == 6
+
+
+def test_reserves_drafts_in_every_pool():
+    cache = _cache(40, pools=(("target", 4), ("draft", 3)))
+    scheduler = Scheduler()
+    scheduler.bind(cache, "target", num_lookahead=5)
+    seqs = [_seq(i, 10, max_tokens=20) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    batch = scheduler.schedule()
+    # Each needs 10 + 5 tokens in both pools: 4 of the target's 10 blocks, 5 of the draft's 13.
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.max_drafts == [5, 5]
+    for s in batch.seqs:
+        cache.append_slots(s.seq_id, 15)  # every pool, all or nothing: must fit
+
+
+def test_sequence_stops_and_draft_caps():
+    seq = Sequence(0, [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[9]), seed=0,
+                   eos_token_ids=[2], max_model_len=8)
+    assert seq.max_len == 8 and seq.max_drafts(10) == 5 and seq.max_kv_tokens() == 7
+    assert seq.append([5, 2, 6]) == 2 and seq.finish_reason == "stop"  # EOS kept, the rest dropped
+    seq = Sequence(0, [1], SamplingParams(max_tokens=3, ignore_eos=True), seed=0, eos_token_ids=[2], max_model_len=99)
+    assert seq.append([2, 2, 2, 2]) == 3 and seq.finish_reason == "length" and seq.output_token_ids == [2, 2, 2]
+
+
+def test_build_engine_from_parts_example_runs(tiny_checkpoint, capsys):
+    example = Path(__file__).resolve().parents[2] / "examples" / "build_engine_from_parts.py"
+    runpy.run_path(str(example))["main"](str(tiny_checkpoint("llama")))
+    out = capsys.readouterr().out
+    assert out.count(" length [") == 3 and "spec_stats:" in out
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_scheduler_config_is_validated(bad):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=bad)

@@ -209,14 +209,14 @@ class LLMEngine:
         sampling = SamplingBatch.from_params(
             [seq.params for seq in seqs], positions, [seq.seed for seq in seqs], device=self.device
         )
-        ends = torch.tensor(query_lens).cumsum(0)
         if drafts is None:
-            logits = self.model.compute_logits(output.hidden_states[ends - 1])
+            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            logits = self.model.compute_logits(output.hidden_states[last])
             emitted = [[t] for t in self.sampler.sample(logits, sampling).tolist()]
             num_drafts = num_accepted = None
         else:
             num_drafts = [len(d) for d in drafts.draft_token_ids]
-            num_accepted, emitted = self._verify(output, ends, num_drafts, drafts, sampling)
+            num_accepted, emitted = self._verify(output, query_lens, num_drafts, drafts, sampling)
 
         return self._finish_step(seqs, starts, query_lens, emitted, drafts, num_drafts, num_accepted, output)
 
@@ -234,26 +234,20 @@ class LLMEngine:
             return None
         return proposal
 
-    def _verify(self, output, ends, num_drafts, drafts: Proposal, sampling: SamplingBatch):
+    def _verify(self, output, query_lens, num_drafts, drafts: Proposal, sampling: SamplingBatch):
         k = self.num_speculative_tokens
-        rows_per_req = torch.tensor(num_drafts) + 1
         # The last (num_drafts + 1) rows of each request's chunk are its verify rows.
-        first = ends - rows_per_req
-        offsets = torch.arange(int(rows_per_req.sum())) - torch.repeat_interleave(rows_per_req.cumsum(0) - rows_per_req, rows_per_req)
-        rows = torch.repeat_interleave(first, rows_per_req) + offsets
-        logits = self.model.compute_logits(output.hidden_states[rows.to(self.device)])
-        padded = torch.full((len(num_drafts), k), -1, dtype=torch.int64)
-        for i, d in enumerate(drafts.draft_token_ids):
-            if d:
-                padded[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        rows, end = [], 0
+        for q, n in zip(query_lens, num_drafts):
+            end += q
+            rows.extend(range(end - n - 1, end))
+        logits = self.model.compute_logits(output.hidden_states[torch.tensor(rows, device=self.device)])
+        padded = torch.tensor([d + [-1] * (k - len(d)) for d in drafts.draft_token_ids], device=self.device)
         verifier = self.verifier
         if verifier is None:
             verifier = self._greedy_verifier if bool(sampling.greedy.all()) else self._rejection
-        probs = drafts.draft_probs
-        if probs is not None and probs.shape[1] < k:
-            probs = torch.nn.functional.pad(probs, (0, 0, 0, k - probs.shape[1]))
         result = verifier.verify(
-            logits, padded.to(self.device), torch.tensor(num_drafts, device=self.device), probs, sampling
+            logits, padded, torch.tensor(num_drafts, device=self.device), drafts.draft_probs, sampling
         )
         return result.num_accepted.tolist(), result.emitted()
 

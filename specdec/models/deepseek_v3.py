@@ -22,9 +22,8 @@ hub checkpoints use (``experts.N.{gate,up,down}_proj.weight``). Multi-token-pred
 from __future__ import annotations
 
 import math
-import operator
 import re
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import attrs
 import torch
@@ -33,7 +32,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from specdec.cache.pool import MLAPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.base import ForwardContext
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.loader import CheckpointError
 from specdec.models.weights import load_named_weights
@@ -214,8 +214,7 @@ class DeepseekV3Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        if self.pool is None:
-            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        pool = bound_pool(self.pool)
         num_tokens = x.shape[0]
         nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -231,7 +230,7 @@ class DeepseekV3Attention(nn.Module):
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         query = torch.cat([q_latent, q_pe], dim=-1)
-        out = ctx.attend_mla(self.pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
+        out = ctx.attend_mla(pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
         # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
         values = torch.einsum("thr,hvr->thv", out, w_uv)
         return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_head_dim))
@@ -352,7 +351,7 @@ class DeepseekV3MoE(nn.Module):
         return out.to(x.dtype)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, s: DeepseekV3Settings, layer_idx: int, rms_norm_eps: float):
         super().__init__()
         self.self_attn = DeepseekV3Attention(s, layer_idx)
@@ -362,12 +361,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekV3MLP(s.hidden_size, s.intermediate_size, s.hidden_act)
         self.input_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DeepseekV3Model(nn.Module):
@@ -387,27 +380,19 @@ class DeepseekV3Model(nn.Module):
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderOnlyLM):
     """deepseek_v3 / kimi_k2 causal LM implementing :class:`specdec.models.CausalLM`."""
 
-    required_block_size: int | None = None
-
     def __init__(self, config):
-        super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"DeepseekV3ForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
             )
-        self.settings = DeepseekV3Settings.from_hf_config(config)
-        self.hf_config = config
-        self.num_layers = self.settings.num_layers
-        self.hidden_size = self.settings.hidden_size
-        self.vocab_size = config.vocab_size
-        self.kv_lora_rank = self.settings.kv_lora_rank
-        self.qk_rope_head_dim = self.settings.qk_rope_head_dim
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DeepseekV3Model(config, self.settings)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        settings = DeepseekV3Settings.from_hf_config(config)
+        super().__init__(config, DeepseekV3Model(config, settings))
+        self.settings = settings
+        self.kv_lora_rank = settings.kv_lora_rank
+        self.qk_rope_head_dim = settings.qk_rope_head_dim
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
@@ -423,52 +408,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             qk_rope_head_dim=self.qk_rope_head_dim,
             dtype=dtype,
         )
-        for layer in self.model.layers:
-            layer.self_attn.pool = prefix
+        self._bind_attention(prefix)
         return [pool]
-
-    # ----- forward -----
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
-        """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
-
-        ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer
-        ``i`` (0 = the embeddings), concatenated in ascending id order.
-        """
-        capture = self._check_aux_ids(aux_layer_ids)
-        h = self.embed(input_ids)
-        rotary = self.model.rotary_emb
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            captured.extend([h] * capture.get(i, 0))
-            h = layer(h, positions, rotary, ctx)
-        aux = torch.cat(captured, dim=-1) if captured else None
-        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
-
-    def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
-        """How many times each layer's input is captured, in ascending id order (repeats allowed)."""
-        counts: dict[int, int] = {}
-        for raw in aux_layer_ids:
-            i = operator.index(raw) if not isinstance(raw, bool) else -1
-            if not 0 <= i < self.num_layers:
-                raise ValueError(
-                    f"aux layer id {raw!r} is out of range: ids name the input of a decoder layer, "
-                    f"0..{self.num_layers - 1} (0 = embeddings)"
-                )
-            counts[i] = counts.get(i, 0) + 1
-        return counts
 
     # ----- weights -----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -480,10 +421,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         experts.check_complete()
 
     def _checkpoint_name(self, name: str) -> str | None:
-        if name.endswith("rotary_emb.inv_freq"):
-            return None  # older checkpoints saved RoPE tables; they are recomputed
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None  # tied: the output projection is the embedding matrix
+        name = self._common_checkpoint_name(name, bare_model_prefix=False)
+        if name is None:
+            return None
         layer = _layer_index(name)
         if layer is not None and layer >= self.num_layers:
             # Multi-token-prediction modules sit after the decoder layers; the engine does not run them.

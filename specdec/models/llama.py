@@ -9,18 +9,13 @@ transformers writes (``model.layers.N.self_attn.q_proj.weight``, ...), so weight
 
 from __future__ import annotations
 
-import operator
-from typing import Iterable, Sequence
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdec.cache.pool import AttentionPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.base import ForwardContext
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from specdec.models.weights import load_named_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -94,8 +89,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        if self.pool is None:
-            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        pool = bound_pool(self.pool)
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -103,7 +97,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = ctx.attend(self.pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -127,19 +121,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(inner)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, sliding_window: int | None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
@@ -157,96 +145,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, _head_dim(config))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderOnlyLM):
     """llama / mistral / qwen2 / qwen3 causal LM implementing :class:`specdec.models.CausalLM`."""
 
-    required_block_size: int | None = None
-
     def __init__(self, config):
-        super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"LlamaForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
             )
-        self.hf_config = config
-        self.num_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One attention pool named ``prefix`` holding every layer's K/V; binds the layers to it."""
-        attn = self.model.layers[0].self_attn
-        pool = AttentionPool(
-            prefix,
-            num_layers=self.num_layers,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=dtype,
-        )
-        for layer in self.model.layers:
-            layer.self_attn.pool = prefix
-        return [pool]
-
-    # ----- forward -----
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
-        """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
-
-        ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer
-        ``i`` (0 = the embeddings), concatenated in ascending id order.
-        """
-        capture = self._check_aux_ids(aux_layer_ids)
-        h = self.embed(input_ids)
-        rotary = self.model.rotary_emb
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            captured.extend([h] * capture.get(i, 0))
-            h = layer(h, positions, rotary, ctx)
-        aux = torch.cat(captured, dim=-1) if captured else None
-        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
-
-    def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
-        """How many times each layer's input is captured (repeats allowed, e.g. colliding defaults)."""
-        counts: dict[int, int] = {}
-        for raw in aux_layer_ids:
-            i = operator.index(raw) if not isinstance(raw, bool) else -1
-            if not 0 <= i < self.num_layers:
-                raise ValueError(
-                    f"aux layer id {raw!r} is out of range: ids name the input of a decoder layer, "
-                    f"0..{self.num_layers - 1} (0 = embeddings)"
-                )
-            counts[i] = counts.get(i, 0) + 1
-        return counts
-
-    # ----- weights -----
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, rename=self._checkpoint_name)
-
-    def _checkpoint_name(self, name: str) -> str | None:
-        # Older checkpoints saved RoPE tables; they are recomputed, never loaded.
-        if name.endswith("rotary_emb.inv_freq"):
-            return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            # Tied: the output projection is the embedding matrix, whatever copy was saved.
-            return None
-        if not name.startswith(("model.", "lm_head.")):
-            # A bare base-model checkpoint (LlamaModel.save_pretrained) has no "model." prefix.
-            return "model." + name
-        return name
+        super().__init__(config, LlamaModel(config))

@@ -13,9 +13,8 @@ copied into slices of those tensors while streaming, so no second copy of the we
 
 from __future__ import annotations
 
-import operator
 import re
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator
 
 import attrs
 import torch
@@ -23,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdec.cache.pool import AttentionPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.base import ForwardContext
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.decoder import aux_capture_counts  # noqa: F401  (re-exported: its first home was here)
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.loader import CheckpointError
 from specdec.models.weights import load_named_weights
@@ -57,18 +57,9 @@ def check_gqa(num_heads: int, num_kv_heads: int) -> None:
         )
 
 
-def aux_capture_counts(aux_layer_ids: Sequence[int], num_layers: int) -> dict[int, int]:
-    """How often each layer's input is captured (repeats allowed: small models' default ids collide)."""
-    counts: dict[int, int] = {}
-    for raw in aux_layer_ids:
-        i = operator.index(raw) if not isinstance(raw, bool) else -1
-        if not 0 <= i < num_layers:
-            raise ValueError(
-                f"aux layer id {raw!r} is out of range: ids name the input of a decoder layer, "
-                f"0..{num_layers - 1} (0 = embeddings)"
-            )
-        counts[i] = counts.get(i, 0) + 1
-    return counts
+def is_mtp_tensor(name: str) -> bool:
+    """MiniMax's multi-token-prediction modules (``mtp.*``): the target does not run them."""
+    return re.search(r"(^|\.)mtp\.", name) is not None
 
 
 def sigmoid_topk_routing(
@@ -230,14 +221,13 @@ class MiniMaxM2Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        if self.pool is None:
-            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        pool = bound_pool(self.pool)
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x)).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(self.k_proj(x)).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = ctx.attend(self.pool, self.layer_idx, q, k, v, scale=self.scale)
+        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -269,19 +259,13 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         return self.experts(x, experts, weights)
 
 
-class MiniMaxM2DecoderLayer(nn.Module):
+class MiniMaxM2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.self_attn = MiniMaxM2Attention(config, layer_idx)
         self.mlp = MiniMaxM2SparseMoeBlock(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class MiniMaxM2Model(nn.Module):
@@ -295,82 +279,26 @@ class MiniMaxM2Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
 
 
-class MiniMaxM2ForCausalLM(nn.Module):
+class MiniMaxM2ForCausalLM(DecoderOnlyLM):
     """``minimax_m2`` causal LM implementing :class:`specdec.models.CausalLM`."""
 
-    required_block_size: int | None = None
-
     def __init__(self, config):
-        super().__init__()
         if config.model_type != "minimax_m2":
             raise ValueError(f"MiniMaxM2ForCausalLM serves model_type 'minimax_m2', got {config.model_type!r}")
-        self.hf_config = config
-        self.num_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = MiniMaxM2Model(config)
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, MiniMaxM2Model(config))
         self._num_experts = config.num_local_experts
         self._intermediate = config.intermediate_size
-
-    # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One attention pool named ``prefix`` with every layer's K/V; binds the layers to it."""
-        attn = self.model.layers[0].self_attn
-        pool = AttentionPool(
-            prefix,
-            num_layers=self.num_layers,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=dtype,
-        )
-        for layer in self.model.layers:
-            layer.self_attn.pool = prefix
-        return [pool]
-
-    # ----- forward -----
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
-        """Run the flattened varlen batch; ``aux_layer_ids`` capture the residual entering those layers."""
-        capture = aux_capture_counts(aux_layer_ids, self.num_layers)
-        h = self.embed(input_ids)
-        rotary = self.model.rotary_emb
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            captured.extend([h] * capture.get(i, 0))
-            h = layer(h, positions, rotary, ctx)
-        aux = torch.cat(captured, dim=-1) if captured else None
-        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
 
     # ----- weights -----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights_with_slices(self, weights, self._checkpoint_name)
 
     def _checkpoint_name(self, name: str) -> str | SliceTarget | None:
-        if name.endswith("rotary_emb.inv_freq") or re.search(r"(^|\.)mtp\.", name):
-            # RoPE tables are recomputed; multi-token-prediction modules are not run by the target.
+        if is_mtp_tensor(name):
             return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
+        name = self._common_checkpoint_name(name)
+        if name is None:
             return None
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name  # a bare MiniMaxM2Model checkpoint
         sliced = expert_slice(name, self._num_experts, self._intermediate)
         if sliced is not None:
             return sliced

@@ -24,7 +24,7 @@ backend call per indexer head group, so any backend with ``custom_mask`` support
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import attrs
 import torch
@@ -33,16 +33,17 @@ from torch import nn
 
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.backends.torch_ref import gather_pages
-from specdec.cache.pool import AttentionPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
+from specdec.cache.pool import PagedPool
+from specdec.models.base import ForwardContext
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.minimax_m2 import (
     FusedExperts,
     SliceTarget,
-    aux_capture_counts,
     check_gqa,
     expert_slice,
     head_dim_of,
+    is_mtp_tensor,
     load_weights_with_slices,
     rotary_dim_of,
     sigmoid_topk_routing,
@@ -299,37 +300,30 @@ class MiniMaxM3Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        if self.pool is None:
-            raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+        pool = bound_pool(self.pool)
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         if self.indexer is None:
-            out = ctx.attend(self.pool, self.layer_idx, q, k, v, scale=self.scale)
+            out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
         else:
-            kv = ctx.cache.pool(self.pool).layer(self.layer_idx)
-            meta = ctx.metadata[self.pool]
+            kv = ctx.cache.pool(pool).layer(self.layer_idx)
+            meta = ctx.metadata[pool]
             ctx.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
             keep = self.indexer(x, positions, rotary, ctx)
             out = block_sparse_attention(ctx.backend, q, kv["k"], kv["v"], meta, keep, scale=self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-class MiniMaxM3DecoderLayer(nn.Module):
+class MiniMaxM3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, sparse_attention: bool, moe: bool):
         super().__init__()
         self.self_attn = MiniMaxM3Attention(config, layer_idx, sparse_attention)
         self.mlp = MiniMaxM3SparseMoeBlock(config) if moe else MiniMaxM3DenseMLP(config, config.dense_intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class MiniMaxM3Model(nn.Module):
@@ -362,7 +356,7 @@ _INDEXER_PARTS = re.compile(r"\.self_attn\.index_(q_proj|k_proj|q_norm|k_norm)\.
 _SPLIT_GATE_UP = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
 
 
-class MiniMaxM3ForCausalLM(nn.Module):
+class MiniMaxM3ForCausalLM(DecoderOnlyLM):
     """MiniMax-M3 causal LM implementing :class:`specdec.models.CausalLM`.
 
     Serves ``minimax_m3_vl_text`` checkpoints and the text part of ``minimax_m3_vl``
@@ -370,27 +364,20 @@ class MiniMaxM3ForCausalLM(nn.Module):
     """
 
     def __init__(self, config):
-        super().__init__()
         if config.model_type not in ("minimax_m3_vl_text", "minimax_m3_vl"):
             raise ValueError(
                 "MiniMaxM3ForCausalLM serves model_type 'minimax_m3_vl_text' or 'minimax_m3_vl', "
                 f"got {config.model_type!r}"
             )
         text = text_config_of(config)
-        self.hf_config = config
+        attention_types = _per_layer(text, "layer_types", (FULL_LAYER, SPARSE_LAYER), FULL_LAYER)
+        mlp_types = _per_layer(text, "mlp_layer_types", ("sparse", "dense"), "sparse")
+        super().__init__(config, MiniMaxM3Model(text, attention_types, mlp_types), text_config=text)
         self.text_config = text
         self.is_multimodal = config.model_type == "minimax_m3_vl"
-        self.num_layers = text.num_hidden_layers
-        self.hidden_size = text.hidden_size
-        self.vocab_size = text.vocab_size
-        self.tie_word_embeddings = bool(
-            getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
-        )
-        self.attention_types = _per_layer(text, "layer_types", (FULL_LAYER, SPARSE_LAYER), FULL_LAYER)
-        self.mlp_types = _per_layer(text, "mlp_layer_types", ("sparse", "dense"), "sparse")
+        self.attention_types = attention_types
+        self.mlp_types = mlp_types
         self.required_block_size: int | None = text.index_block_size
-        self.model = MiniMaxM3Model(text, self.attention_types, self.mlp_types)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
@@ -400,20 +387,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 f"MiniMax-M3's block-sparse attention needs {self.required_block_size}-token KV pages "
                 f"(index_block_size), got block_size={block_size}; use block_size={self.required_block_size}"
             )
-        attn = self.model.layers[0].self_attn
-        pools: list[PagedPool] = [
-            AttentionPool(
-                prefix,
-                num_layers=self.num_layers,
-                block_size=block_size,
-                num_kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim,
-                dtype=dtype,
-            )
-        ]
+        pools = super().kv_pools(prefix, block_size, dtype)
         sparse = [layer.self_attn for layer in self.model.layers if layer.self_attn.indexer is not None]
-        for layer in self.model.layers:
-            layer.self_attn.pool = prefix
         if sparse:
             index_pool = prefix + ".index"
             pools.append(
@@ -429,39 +404,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 attn.indexer.pool, attn.indexer.pool_layer = index_pool, j
         return pools
 
-    # ----- forward -----
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
-        """Run the flattened varlen batch; ``aux_layer_ids`` capture the residual entering those layers."""
-        capture = aux_capture_counts(aux_layer_ids, self.num_layers)
-        h = self.embed(input_ids)
-        rotary = self.model.rotary_emb
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            captured.extend([h] * capture.get(i, 0))
-            h = layer(h, positions, rotary, ctx)
-        aux = torch.cat(captured, dim=-1) if captured else None
-        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
-
     # ----- weights -----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights_with_slices(self, weights, self._checkpoint_name)
 
     def _checkpoint_name(self, name: str) -> str | SliceTarget | None:
-        if name.endswith("rotary_emb.inv_freq") or re.search(r"(^|\.)mtp\.", name):
-            # RoPE tables are recomputed; multi-token-prediction modules are not run by the target.
+        if is_mtp_tensor(name):
             return None
         if self.is_multimodal:
             if name.startswith(_VISION_PREFIXES):
@@ -470,10 +418,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 if name.startswith(old):
                     name = new + name[len(old) :]
                     break
-        if name == "lm_head.weight" and self.tie_word_embeddings:
+        name = self._common_checkpoint_name(name)
+        if name is None:
             return None
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name  # a bare text-model checkpoint
         # Hub spellings (what the original checkpoint and a minimax_m3_vl save_pretrained write).
         name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
         name = name.replace(".block_sparse_moe.", ".mlp.")

@@ -1,0 +1,155 @@
+"""The causal-LM shell every architecture shares.
+
+:class:`DecoderOnlyLM` holds what does not depend on the attention or MLP kind: the embeddings, the
+decoder-layer loop with capture-before aux hidden states, the final norm, the (optionally tied) LM
+head, binding attention layers to their KV pool, and the checkpoint-name rules all checkpoints follow.
+An architecture builds its ``model`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``, the
+names transformers writes) and overrides only what differs: ``kv_pools`` for other cache layouts,
+``_checkpoint_name`` for other tensor spellings.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.cache.pool import AttentionPool, PagedPool
+from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.layers import RotaryEmbedding
+from specdec.models.weights import load_named_weights
+
+
+def aux_capture_counts(aux_layer_ids: Sequence[int], num_layers: int) -> dict[int, int]:
+    """How often each layer's input is captured (repeats allowed: small models' default ids collide)."""
+    counts: dict[int, int] = {}
+    for raw in aux_layer_ids:
+        i = operator.index(raw) if not isinstance(raw, bool) else -1
+        if not 0 <= i < num_layers:
+            raise ValueError(
+                f"aux layer id {raw!r} is out of range: ids name the input of a decoder layer, "
+                f"0..{num_layers - 1} (0 = embeddings)"
+            )
+        counts[i] = counts.get(i, 0) + 1
+    return counts
+
+
+def bound_pool(pool: str | None) -> str:
+    """The pool ``kv_pools`` bound an attention layer to; a clear error if it was never called."""
+    if pool is None:
+        raise RuntimeError("the model's attention layers are not bound to a KV pool: call kv_pools() first")
+    return pool
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Pre-norm residual layer: ``h + self_attn(input_layernorm(h))``, then ``h + mlp(post_attention_layernorm(h))``.
+
+    Subclasses build the four submodules; the attention takes ``(x, positions, rotary, ctx)``.
+    """
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderOnlyLM(nn.Module):
+    """A decoder-only causal LM implementing :class:`specdec.models.CausalLM` around ``model``.
+
+    ``text_config`` is the language-model part of a multimodal ``hf_config`` (default: the config
+    itself). The default :meth:`kv_pools` is one GQA attention pool shaped by layer 0's attention.
+    """
+
+    required_block_size: int | None = None
+
+    def __init__(self, hf_config, model: nn.Module, text_config=None):
+        super().__init__()
+        text = hf_config if text_config is None else text_config
+        self.hf_config = hf_config
+        self.num_layers = text.num_hidden_layers
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+        # A multimodal checkpoint may record the tie on its outer config or on the text config.
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
+        )
+        self.model = model
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+
+    # ----- cache -----
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+        """One attention pool named ``prefix`` holding every layer's K/V; binds the layers to it."""
+        attn = self.model.layers[0].self_attn
+        pool = AttentionPool(
+            prefix,
+            num_layers=self.num_layers,
+            block_size=block_size,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            dtype=dtype,
+        )
+        self._bind_attention(prefix)
+        return [pool]
+
+    def _bind_attention(self, pool: str) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.pool = pool
+
+    # ----- forward -----
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
+
+        ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer
+        ``i`` (0 = the embeddings), concatenated in ascending id order.
+        """
+        capture = self._check_aux_ids(aux_layer_ids)
+        h = self.embed(input_ids)
+        rotary = self.model.rotary_emb
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            captured.extend([h] * capture.get(i, 0))
+            h = layer(h, positions, rotary, ctx)
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight)
+
+    def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
+        return aux_capture_counts(aux_layer_ids, self.num_layers)
+
+    # ----- weights -----
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, rename=self._checkpoint_name)
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        return self._common_checkpoint_name(name)
+
+    def _common_checkpoint_name(self, name: str, *, bare_model_prefix: bool = True) -> str | None:
+        """The rules every architecture's checkpoints share.
+
+        Older checkpoints saved RoPE tables: they are recomputed, never loaded. A tied LM head is the
+        embedding matrix, whatever copy was saved. With ``bare_model_prefix``, a bare base-model
+        checkpoint (``*Model.save_pretrained``, no ``model.`` prefix) loads too.
+        """
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if bare_model_prefix and not name.startswith(("model.", "lm_head.")):
+            return "model." + name
+        return name

@@ -20,7 +20,9 @@ Factory = Callable[..., Proposer]
 _PROPOSERS: dict[str, Union[str, Factory]] = {
     "ngram": "specdec.proposers.ngram_proposer:NgramProposer.from_config",
     "draft_model": "specdec.proposers.draft_model:DraftModelProposer.from_config",
-    # "eagle3", "eagle3.1-mla", "eagle3-unshifted": registered by their modules (register_proposer).
+    "eagle3": "specdec.proposers.eagle3.proposer:Eagle3Proposer.from_config",
+    "eagle3.1-mla": "specdec.proposers.eagle3.proposer:Eagle3Proposer.from_config",
+    # "eagle3-unshifted": registered by its module (register_proposer).
 }
 
 

@@ -137,3 +137,10 @@ def test_default_kv_cache_memory_fits_max_num_seqs_full_requests(llama):
 
 def _bytes_per_token(llm: LLM) -> int:
     return sum(p.bytes_per_token() for p in llm.engine.cache.pools.values())
+
+
+def test_progress_bar_on_request_and_off_by_default_when_not_a_terminal(llm, capsys):
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=True)
+    assert "2/2" in capsys.readouterr().err
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))  # stderr is not a tty under pytest
+    assert capsys.readouterr().err == ""

@@ -40,7 +40,8 @@ class LLMEngine:
     """Continuous batching over a paged cache, with optional speculation, from parts passed in.
 
     The engine registers the target's pools (prefix ``"target"``) and the proposer's pools in
-    ``cache`` and builds it, unless the cache is already built (then the pools must be there).
+    ``cache`` (see :func:`register_pools`) and builds it; a cache that already holds them (or is
+    already built) is used as it is.
     Requests are :class:`Sequence` objects made by :meth:`add_request`; :meth:`step` runs one
     forward and returns the requests that finished in it; :meth:`generate` runs a list to the end.
 
@@ -50,6 +51,11 @@ class LLMEngine:
       like the greedy verifier, so per-request mixes are fine).
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
+
+    With ``record_trace`` set, :meth:`generate` fills ``trace`` with one dict per step and request
+    that had drafts: ``step`` (index within the call), ``request`` (input index),
+    ``draft_token_ids``, ``num_accepted`` (the verifier's count) and ``emitted_token_ids`` (what
+    was appended to the output: accepted drafts plus one token, cut after a stop token).
     """
 
     def __init__(
@@ -176,6 +182,14 @@ class LLMEngine:
                 done = self.step()
                 if bar is not None and done:
                     bar.update(len(done))
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: drop this call's requests so the next call starts clean.
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+                    if self.proposer is not None:
+                        self.proposer.free(seq.seq_id)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -90,6 +90,16 @@ class Scheduler:
         self.running.remove(seq)
         self._cache.free(seq.seq_id)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request wherever it is, releasing its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._cache.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+
     # ----- one step -----
     def schedule(self) -> ScheduledBatch:
         cache = self._cache

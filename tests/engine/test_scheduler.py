@@ -129,3 +129,27 @@ def test_build_engine_from_parts_example_runs(tiny_checkpoint, capsys):
 def test_scheduler_config_is_validated(bad):
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=bad)
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(tiny_checkpoint):
+    from specdec.backends import get_backend
+    from specdec.engine import LLMEngine
+    from specdec.models import load_model
+
+    engine = LLMEngine(load_model(str(tiny_checkpoint("llama"))), PagedKVCache(1 << 20), get_backend("torch"))
+    original, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original()
+
+    engine.step = interrupted_step
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[1, 2], [3, 4, 5]], [params, params])
+    assert not engine.has_unfinished() and engine.cache.requests() == []
+    engine.step = original
+    out = engine.generate([[1, 2]], [params])
+    assert len(out[0].output_token_ids) == 10

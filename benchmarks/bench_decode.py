@@ -17,12 +17,13 @@ import time
 import torch
 
 
-def small_llama(folder: str, hidden: int, layers: int, vocab: int) -> str:
+def small_llama(folder: str, hidden: int, layers: int, vocab: int, seed: int = 0) -> str:
+    """A random Llama checkpoint (heads of 64, GQA 4:1 from hidden 256 up) written to ``folder``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
                          max_position_embeddings=4096)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder

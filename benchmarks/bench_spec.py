@@ -18,16 +18,7 @@ from pathlib import Path
 
 import torch
 
-
-def random_llama(folder: Path, hidden: int, layers: int, vocab: int, seed: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
-                         max_position_embeddings=4096)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
+from bench_decode import small_llama  # the script's folder is on sys.path
 
 
 def run(target: str, spec, prompts, params, dtype: str) -> tuple[float, object, list]:
@@ -58,8 +49,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         vocab = 4096
-        target = args.target or random_llama(Path(tmp) / "target", 512, 8, vocab, seed=0)
-        draft = args.draft or random_llama(Path(tmp) / "draft", 128, 2, vocab, seed=1)
+        target = args.target or small_llama(str(Path(tmp) / "target"), 512, 8, vocab, seed=0)
+        draft = args.draft or small_llama(str(Path(tmp) / "draft"), 128, 2, vocab, seed=1)
         prompts = [[(13 * i + j % 9) % 1000 + 3 for j in range(48)] for i in range(args.batch)]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         k = args.k

@@ -9,6 +9,10 @@
   through aiter's Triton ``decode_attention_fwd_grouped_rope``. Long query runs (prefill) use
   ``unified_attention`` with the latent as keys and as values, keeping the first ``kv_lora_rank``
   output columns.
+- Log-sum-exp outputs (``return_lse``, for merging attention over two pools): only MLA, through the
+  Triton decode kernel, whose per-split partials carry each split's LSE; non-causal MLA (a pool of
+  keys that all precede the queries) runs there too. ``unified_attention`` keeps its LSE internal
+  and is causal-only, so GQA attention with ``return_lse`` raises ``NotImplementedError``.
 
 aiter's native MHA decode ops (``paged_attention_rocm``, ``pa_fwd_asm``) need a different page
 layout (``[blocks, kv_heads, head_dim / x, page, x]``) than the pools allocate, so they are not used.
@@ -78,7 +82,13 @@ class AiterBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
+        return_lse: bool = False,
     ) -> torch.Tensor:
+        if return_lse:
+            raise NotImplementedError(
+                "aiter's unified_attention returns no log-sum-exp, so attention over two KV pools (KV sharing) "
+                "cannot be merged; use attention_backend='triton' or 'torch' for that layer"
+            )
         _check_supported(meta, q)
         if v_cache.shape[-1] != q.shape[-1] or k_cache.shape[-1] != q.shape[-1]:
             raise ValueError(
@@ -131,8 +141,9 @@ class AiterBackend:
         *,
         kv_lora_rank: int,
         scale: float,
-    ) -> torch.Tensor:
-        _check_supported(meta, q)
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _check_supported(meta, q, mla=True)
         num_tokens, num_heads, width = q.shape
         if latent_cache.dim() != 3 or latent_cache.shape[-1] != width:
             raise ValueError(
@@ -141,16 +152,23 @@ class AiterBackend:
         if not 0 < kv_lora_rank < width:
             raise ValueError(f"mla_attention: kv_lora_rank must be in (0, {width}), got {kv_lora_rank}")
         if num_tokens == 0:
-            return q.new_empty(0, num_heads, kv_lora_rank)
-        if meta.max_query_len > self.mla_decode_max_queries and _unified_page_ok(meta.block_size):
+            out = q.new_empty(0, num_heads, kv_lora_rank)
+            return (out, q.new_empty(0, num_heads, dtype=torch.float32)) if return_lse else out
+        # Only the Triton decode rows give an LSE and run non-causal; everything else keeps its path.
+        plain = meta.causal and not return_lse
+        if plain and meta.max_query_len > self.mla_decode_max_queries and _unified_page_ok(meta.block_size):
             latent = latent_cache.unsqueeze(2)
             return self._unified(q, latent, latent, meta, scale=scale)[..., :kv_lora_rank].contiguous()
         rows = _per_token_rows(meta, q.device)
-        if self._native_mla_fits(q, latent_cache, kv_lora_rank):
+        if plain and self._native_mla_fits(q, latent_cache, kv_lora_rank):
             return self._native_mla(q, latent_cache, rows, kv_lora_rank=kv_lora_rank, scale=scale)
-        return self._triton_mla(q, latent_cache, rows, kv_lora_rank=kv_lora_rank, scale=scale, max_seq_len=meta.max_seq_len)
+        out, lse = self._triton_mla(
+            q, latent_cache, rows, kv_lora_rank=kv_lora_rank, scale=scale, max_seq_len=meta.max_seq_len
+        )
+        return (out, lse) if return_lse else out
 
     def _triton_mla(self, q, latent_cache, rows, *, kv_lora_rank, scale, max_seq_len):
+        """Decode rows through aiter's Triton MLA kernel; returns ``(out, lse)``."""
         kv_indptr, kv_indices = rows
         num_tokens, num_heads, width = q.shape
         tokens = latent_cache.reshape(-1, 1, width)  # page-1 view: one "page" per cached token
@@ -179,7 +197,16 @@ class AiterBackend:
                 is_neox_style=False,
                 config=self.kernels.mla_config(),
             )
-        return out
+        lengths = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+        # Stage 1 leaves a split that got no keys unwritten (its slot is garbage) and stores each
+        # written split's own LSE after the values; the kernel splits a row's keys as below.
+        per_split = (lengths + splits - 1) // splits
+        written = torch.arange(splits, device=q.device)[None, :] * per_split[:, None] < lengths[:, None]
+        split_lse = logits[..., kv_lora_rank].masked_fill(~written[:, None, :], float("-inf"))
+        lse = torch.logsumexp(split_lse, dim=-1)
+        # A row with no key divides 0 by 0 in stage 2; the protocol wants zeros there.
+        out.masked_fill_((lengths == 0)[:, None, None], 0.0)
+        return out, lse
 
     def _quiet(self):
         # Padding rows of aiter's tiles divide by zero before being masked out; under the interpreter
@@ -219,8 +246,8 @@ class AiterBackend:
         return out
 
 
-def _check_supported(meta: AttentionMetadata, q: torch.Tensor) -> None:
-    if not meta.causal or meta.custom_mask is not None:
+def _check_supported(meta: AttentionMetadata, q: torch.Tensor, *, mla: bool = False) -> None:
+    if (not meta.causal and not mla) or meta.custom_mask is not None:
         raise NotImplementedError(
             "aiter's attention kernels are causal-only and take no custom (tree) mask; use "
             "attention_backend='triton' or 'torch' for that"
@@ -250,14 +277,18 @@ def _per_token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torc
     """Each query token as a decode row: ``kv_indptr [T + 1]`` and the token slots it sees, in order.
 
     Query ``j`` of request ``i`` sees positions ``0 .. seq_len - query_len + j`` (causal), so running
-    the rows independently is the verify/prefill attention exactly.
+    the rows independently is the verify/prefill attention exactly; without ``meta.causal`` every
+    query sees all ``seq_len`` keys. A request with no keys gives empty rows.
     """
     seq_lens = meta.seq_lens.to(device=device, dtype=torch.int64)
     query_lens = meta.query_lens.to(device=device, dtype=torch.int64)
     request = torch.repeat_interleave(torch.arange(meta.num_requests, device=device), query_lens)
     starts = meta.query_start_loc.to(device=device, dtype=torch.int64)[:-1]
     offset = torch.arange(request.numel(), device=device) - starts[request]
-    visible = seq_lens[request] - query_lens[request] + offset + 1
+    if meta.causal:
+        visible = (seq_lens[request] - query_lens[request] + offset + 1).clamp(min=0)
+    else:
+        visible = seq_lens[request]
     kv_indptr = torch.zeros(request.numel() + 1, dtype=torch.int64, device=device)
     kv_indptr[1:] = visible.cumsum(0)
     total = int(kv_indptr[-1])

@@ -17,6 +17,11 @@ class AttentionMetadata:
     attention). Prefill (``query_len == seq_len``), chunked prefill, decode (1 query) and verify (k+1
     queries) are all this one shape. With ``causal``, query ``j`` of request ``i`` sees keys at
     positions ``<= seq_lens[i] - query_lens[i] + j``.
+
+    One forward may attend over several pools, each with its own metadata (KV sharing: the target
+    pool's prompt pages, then the draft pool's own pages). A pool that holds only keys *before* the
+    queries is read with ``causal=False`` and may have fewer keys than queries; a request with no keys
+    in a pool (``seq_len 0``) is allowed either way, and its queries see nothing there.
     """
 
     query_start_loc: torch.Tensor  # int32 [B + 1], cumulative query lengths
@@ -45,8 +50,13 @@ class AttentionMetadata:
         device = block_tables.device
         if len(query_lens) != len(seq_lens):
             raise ValueError("query_lens and seq_lens must have one entry per request")
-        if any(q > s for q, s in zip(query_lens, seq_lens)):
-            raise ValueError("a request cannot have more queries than cached tokens")
+        if causal and any(0 < s < q for q, s in zip(query_lens, seq_lens)):
+            raise ValueError(
+                "a request cannot have more queries than cached tokens in a causal pool (its queries' own KV "
+                "is written first); use causal=False for a pool that holds only keys before the queries"
+            )
+        if any(q < 0 or s < 0 for q, s in zip(query_lens, seq_lens)):
+            raise ValueError("query_lens and seq_lens must be >= 0")
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(list(query_lens), dtype=torch.int32).cumsum(0)
         return cls(
@@ -72,6 +82,12 @@ class AttentionMetadata:
     @property
     def num_query_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a backend's log-sum-exp output for queries of ``dtype``: float32, or float64 for
+    float64 queries (a float32 LSE would cost float64 runs their exactness when partials merge)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @runtime_checkable
@@ -105,8 +121,15 @@ class AttentionBackend(Protocol):
         *,
         scale: float,
         sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``."""
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``.
+
+        With ``return_lse`` it returns ``(out, lse)``: ``lse [T, num_heads]`` is the log-sum-exp of
+        the scaled scores over the keys each query saw (``-inf`` where it saw none, with ``out`` 0
+        there), float32, or float64 when ``q`` is float64 so that exact runs stay exact. Partial
+        results over disjoint key sets combine with :func:`specdec.backends.merge.merge_attention_states`.
+        """
         ...
 
     def mla_attention(
@@ -117,7 +140,9 @@ class AttentionBackend(Protocol):
         *,
         kv_lora_rank: int,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Absorbed MLA: ``q [T, H, kv_lora_rank + rope_dim]`` against the latent cache (keys: the whole
-        latent, values: its first ``kv_lora_rank`` columns); returns ``[T, H, kv_lora_rank]``."""
+        latent, values: its first ``kv_lora_rank`` columns); returns ``[T, H, kv_lora_rank]``, or
+        ``(out, lse)`` with ``return_lse`` (``lse [T, H]`` as in :meth:`attention`)."""
         ...

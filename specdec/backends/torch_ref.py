@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from specdec.backends.base import AttentionMetadata
+from specdec.backends.base import AttentionMetadata, lse_dtype
 
 
 class TorchBackend:
@@ -37,10 +37,13 @@ class TorchBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         keys = gather_pages(k_cache, meta)  # [B, S, Hkv, D]
         values = gather_pages(v_cache, meta)
-        return _masked_attention(q, keys, values, meta, scale=scale, sliding_window=sliding_window)
+        return _masked_attention(
+            q, keys, values, meta, scale=scale, sliding_window=sliding_window, return_lse=return_lse
+        )
 
     def mla_attention(
         self,
@@ -50,9 +53,10 @@ class TorchBackend:
         *,
         kv_lora_rank: int,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         latent = gather_pages(latent_cache, meta).unsqueeze(2)  # [B, S, 1, L + R]
-        return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale)
+        return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
 
 
 def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -91,7 +95,8 @@ def _masked_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``q [T, H, D]`` against per-request ``keys [B, S, Hkv, D]``, ``values [B, S, Hkv, Dv]``."""
     num_tokens, num_heads, head_dim = q.shape
     batch, max_seq, num_kv_heads, _ = keys.shape
@@ -108,7 +113,13 @@ def _masked_attention(
     # Padding rows see no key at all; zero them instead of producing NaN.
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhgqs,bshd->bqhgd", probs, values.to(q.dtype))
-    return out[request, offset].reshape(num_tokens, num_heads, -1)
+    out = out[request, offset].reshape(num_tokens, num_heads, -1)
+    if not return_lse:
+        return out
+    # A row that sees no key gets -inf (logsumexp of nothing), the merge's "contributes nothing".
+    lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)  # [B, Hkv, group, max_query_len]
+    lse = lse.permute(0, 3, 1, 2)[request, offset].reshape(num_tokens, num_heads)
+    return out, lse
 
 
 def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

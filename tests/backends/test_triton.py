@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec.backends import get_backend
+from specdec.backends.base import AttentionMetadata
 from specdec.backends.triton import KernelConfig, TritonBackend
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -237,3 +238,77 @@ def test_kernel_benchmark_without_gpu_exits_cleanly(capsys):
     spec.loader.exec_module(module)
     assert module.main([]) == 0
     assert "needs a GPU" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- log-sum-exp outputs
+
+
+def _check_lse(case, backend, torch_backend, *, tol=FP32_TOL, mla_rank=None, **kwargs):
+    if mla_rank is None:
+        ref_out, ref_lse = torch_backend.attention(
+            case.q, case.clean_k, case.clean_v, case.meta, return_lse=True, **kwargs
+        )
+        out, lse = backend.attention(case.q, case.k_cache, case.v_cache, case.meta, return_lse=True, **kwargs)
+        plain = backend.attention(case.q, case.k_cache, case.v_cache, case.meta, **kwargs)
+    else:
+        ref_out, ref_lse = torch_backend.mla_attention(
+            case.q, case.clean_k, case.meta, kv_lora_rank=mla_rank, return_lse=True, **kwargs
+        )
+        out, lse = backend.mla_attention(
+            case.q, case.k_cache, case.meta, kv_lora_rank=mla_rank, return_lse=True, **kwargs
+        )
+        plain = backend.mla_attention(case.q, case.k_cache, case.meta, kv_lora_rank=mla_rank, **kwargs)
+    expected_dtype = torch.float64 if case.q.dtype == torch.float64 else torch.float32
+    assert lse.shape == out.shape[:2] and lse.dtype == expected_dtype and lse.is_contiguous()
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    # Asking for the LSE changes nothing about the output.
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+    return lse
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("shape", ["verify", "mixed"])
+def test_lse_matches_reference(shape, splits, torch_backend, paged_case):
+    backend = TritonBackend(KernelConfig(num_splits=splits, block_n=16))
+    seq_lens, query_lens = SHAPES[shape]
+    case = paged_case(
+        seq_lens=seq_lens, query_lens=query_lens, block_size=5, num_heads=4, num_kv_heads=2, head_dim=24, seed=splits
+    )
+    _check_lse(case, backend, torch_backend, scale=24**-0.5)
+    _check_lse(case, backend, torch_backend, scale=24**-0.5, sliding_window=6)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_lse_float64_and_a_row_that_sees_nothing(splits, torch_backend, paged_case):
+    backend = TritonBackend(KernelConfig(num_splits=splits, block_n=16))
+    case = paged_case(
+        seq_lens=[40, 13], query_lens=[4, 13], block_size=8, num_heads=4, num_kv_heads=2, head_dim=24,
+        dtype=torch.float64,
+    )
+    mask = torch.ones(case.meta.num_query_tokens, case.meta.max_seq_len, dtype=torch.bool)
+    mask[5] = False
+    lse = _check_lse(_with_meta(case, custom_mask=mask), backend, torch_backend, tol=FP64_TOL, scale=0.2)
+    assert torch.isneginf(lse[5]).all() and torch.isfinite(lse[torch.arange(len(lse)) != 5]).all()
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mla_lse_matches_reference(splits, torch_backend, mla_case):
+    backend = TritonBackend(KernelConfig(num_splits=splits, block_n=16))
+    case = mla_case(
+        seq_lens=[60, 17, 5], query_lens=[4, 1, 5], block_size=16, num_heads=8, kv_lora_rank=32, rope_dim=16
+    )
+    _check_lse(case, backend, torch_backend, mla_rank=32, scale=0.1)
+
+
+def test_lse_of_an_empty_batch(backend, paged_case):
+    case = paged_case(seq_lens=[5], query_lens=[1], block_size=4, num_heads=2, num_kv_heads=1, head_dim=16)
+    meta = AttentionMetadata.build(
+        query_lens=[0],
+        seq_lens=[5],
+        block_tables=case.meta.block_tables,
+        slot_mapping=case.meta.slot_mapping[:0],
+        block_size=4,
+    )
+    out, lse = backend.attention(case.q[:0], case.k_cache, case.v_cache, meta, scale=1.0, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)

@@ -50,9 +50,17 @@ class TritonBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self._ops.paged_attention(
-            q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, config=self.config
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            config=self.config,
+            return_lse=return_lse,
         )
 
     def mla_attention(
@@ -63,12 +71,20 @@ class TritonBackend:
         *,
         kv_lora_rank: int,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if latent_cache.dim() != 3:
             raise ValueError(
                 f"mla_attention: latent cache must be [blocks, page, kv_lora_rank + rope_dim], got {tuple(latent_cache.shape)}"
             )
         # The latent is one KV "head" shared by every query head; values are its first columns.
         return self._ops.paged_attention(
-            q, latent_cache.unsqueeze(2), None, meta, scale=scale, v_dim=kv_lora_rank, config=self.config
+            q,
+            latent_cache.unsqueeze(2),
+            None,
+            meta,
+            scale=scale,
+            v_dim=kv_lora_rank,
+            config=self.config,
+            return_lse=return_lse,
         )

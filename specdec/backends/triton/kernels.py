@@ -54,6 +54,7 @@ def paged_attention_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    lse_ptr,
     part_acc_ptr,
     part_ml_ptr,
     block_tables_ptr,
@@ -87,6 +88,7 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_LSE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -100,7 +102,9 @@ def paged_attention_kernel(
     of wasting it. ``SHARED_KV`` is MLA: values are the first ``V_DIM`` key columns, loaded once and
     used for both products. With ``NUM_SPLITS > 1`` each program covers a slice of the keys and
     writes unnormalised partials for :func:`split_reduce_kernel` (flash-decoding), which keeps the
-    GPU busy when there are few requests and heads. ``UPCAST`` runs the products in fp32 (keys and
+    GPU busy when there are few requests and heads. ``HAS_LSE`` also writes each row's log-sum-exp
+    of the scaled scores to ``lse [T, num_heads]`` (contiguous), for merging attention over several
+    pools; with splits the reduction writes it. ``UPCAST`` runs the products in fp32 (keys and
     values follow the query's dtype): Triton's interpreter multiplies bf16 tiles wrongly.
     """
     pid = tl.program_id(0)
@@ -207,6 +211,9 @@ def paged_attention_kernel(
             out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
             out_rows = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
             tl.store(out_rows + offs_dv[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+            if HAS_LSE:
+                lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(lse_ptr + token * num_heads + head, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
         else:
             # Partials are [T, H, NUM_SPLITS, DV_PAD] and [T, H, NUM_SPLITS, 2] (max, sum), contiguous.
             part = (token * num_heads + head) * NUM_SPLITS + split
@@ -218,6 +225,7 @@ def paged_attention_kernel(
 @triton.jit
 def split_reduce_kernel(
     out_ptr,
+    lse_ptr,
     part_acc_ptr,
     part_ml_ptr,
     num_heads,
@@ -226,6 +234,7 @@ def split_reduce_kernel(
     V_DIM: tl.constexpr,
     DV_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     """Merge the split-KV partials of one (token, head) with log-sum-exp weights."""
     token = tl.program_id(0).to(tl.int64)
@@ -243,3 +252,6 @@ def split_reduce_kernel(
     acc = tl.sum(parts * w[:, None], axis=0)
     out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=offs_dv < V_DIM)
+    if HAS_LSE:
+        lse = tl.where(total > 0, m_shift + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token * num_heads + head, lse.to(lse_ptr.dtype.element_ty))

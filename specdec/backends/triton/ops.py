@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.backends.base import AttentionMetadata
+from specdec.backends.base import AttentionMetadata, lse_dtype
 from specdec.backends.triton import kernels
 from specdec.backends.triton.config import KernelConfig
 from specdec.backends.triton.runtime import check_device
@@ -112,11 +112,13 @@ def paged_attention(
     v_dim: int | None = None,
     sliding_window: int | None = None,
     config: KernelConfig | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention; ``v_cache=None`` means MLA (values = first ``v_dim`` key columns).
 
     ``q [T, H, D]``, ``k_cache [blocks, page, kv_heads, D]``, ``v_cache [blocks, page, kv_heads, DV]``.
-    Returns ``[T, H, DV]`` in ``q``'s dtype.
+    Returns ``[T, H, DV]`` in ``q``'s dtype, and with ``return_lse`` also ``lse [T, H]`` (see
+    :meth:`specdec.backends.base.AttentionBackend.attention`).
     """
     config = config or KernelConfig()
     check_device(q)
@@ -142,8 +144,9 @@ def paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"attention: sliding_window must be >= 1 (or None), got {sliding_window}")
     out = torch.empty((num_tokens, num_heads, v_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_tokens, num_heads), dtype=lse_dtype(q.dtype), device=q.device) if return_lse else None
     if num_tokens == 0:
-        return out
+        return (out, lse) if return_lse else out
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -196,6 +199,7 @@ def paged_attention(
         k_cache,
         v_cache,
         out,
+        lse if return_lse else out,
         part_acc,
         part_ml,
         block_tables,
@@ -229,6 +233,7 @@ def paged_attention(
         CAUSAL=bool(meta.causal),
         HAS_WINDOW=sliding_window is not None,
         HAS_MASK=mask is not None,
+        HAS_LSE=return_lse,
         NUM_SPLITS=num_splits,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -239,6 +244,7 @@ def paged_attention(
     if num_splits > 1:
         kernels.split_reduce_kernel[(num_tokens, num_heads)](
             out,
+            lse if return_lse else out,
             part_acc,
             part_ml,
             num_heads,
@@ -247,8 +253,9 @@ def paged_attention(
             V_DIM=v_dim,
             DV_PAD=dv_pad,
             NUM_SPLITS=num_splits,
+            HAS_LSE=return_lse,
         )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def _auto_splits(device: torch.device, programs: int, max_seq_len: int, block_n: int) -> int:

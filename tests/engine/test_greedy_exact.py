@@ -6,8 +6,6 @@ forces preemption and recomputation, which must not change a single token.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from reference import hf_greedy
@@ -16,14 +14,6 @@ from specdec import LLM, SamplingParams
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100], [40, 41, 42, 43, 44]]
 MAX_TOKENS = 20
 ARCHES = ["llama", "qwen3", "deepseek_v3", "minimax_m2"]
-
-
-def _need(arch: str) -> None:
-    module = {"llama": "llama", "qwen3": "llama", "deepseek_v3": "deepseek_v3", "minimax_m2": "minimax_m2"}[arch]
-    try:
-        importlib.import_module(f"specdec.models.{module}")
-    except ModuleNotFoundError:
-        pytest.skip(f"specdec.models.{module} has not landed yet")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +31,6 @@ def expected(tiny_checkpoint):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_batched_greedy_matches_transformers(arch, tiny_checkpoint, expected):
-    _need(arch)
     llm = LLM(str(tiny_checkpoint(arch)), dtype="float64", block_size=4, kv_cache_memory=1 << 22)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected(arch)
@@ -54,7 +43,6 @@ def test_batched_greedy_matches_transformers(arch, tiny_checkpoint, expected):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_preemption_keeps_outputs(arch, tiny_checkpoint, expected):
-    _need(arch)
     # Room for about two full requests: the five must take turns through preemption.
     per_token = _bytes_per_token(LLM(str(tiny_checkpoint(arch)), dtype="float64", block_size=4, kv_cache_memory=1 << 20))
     llm = LLM(str(tiny_checkpoint(arch)), dtype="float64", block_size=4, kv_cache_memory=per_token * 64)

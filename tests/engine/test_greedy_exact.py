@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference import hf_greedy
+from hf_generate import hf_greedy
 from specdec import LLM, SamplingParams
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100], [40, 41, 42, 43, 44]]

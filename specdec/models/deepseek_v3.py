@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Iterator
 
 import attrs
 import torch
@@ -35,8 +34,8 @@ from specdec.cache.pool import MLAPool, PagedPool
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
-from specdec.models.loader import CheckpointError
-from specdec.models.weights import load_named_weights
+from specdec.models.moe import FusedExperts, expert_slice, gated_activation
+from specdec.models.weights import SliceTarget
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -296,40 +295,11 @@ class DeepseekV3TopkRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
-class DeepseekV3Experts(nn.Module):
+class DeepseekV3Experts(FusedExperts):
     """The routed experts, stacked: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
 
     def __init__(self, s: DeepseekV3Settings):
-        super().__init__()
-        self.num_experts = s.num_experts
-        self.intermediate_size = s.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(s.num_experts, 2 * s.moe_intermediate_size, s.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(s.num_experts, s.hidden_size, s.moe_intermediate_size))
-        self.act = ACT2FN[s.hidden_act]
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, accumulated in >= float32, as ``[T, H]``.
-
-        (token, choice) pairs are sorted by expert so each expert runs one GEMM over a contiguous slice;
-        the Python loop is over the experts that got tokens, never over tokens.
-        """
-        cd = compute_dtype(x.dtype)
-        if x.shape[0] == 0:
-            return x.new_zeros(x.shape, dtype=cd)
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        token_of = order // ids.shape[1]
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        outputs = []
-        for expert, rows in enumerate(torch.split(x[token_of], counts)):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act(gate) * up, self.down_proj[expert]))
-        # Back to (token, choice) order with a gather, then a sum over the choices: deterministic, and
-        # far cheaper on CPU than index_add_ (which takes milliseconds even for tiny float64 inputs).
-        routed = torch.cat(outputs)[order.argsort()].to(cd).view(*ids.shape, -1)
-        return (routed * weights.to(cd).unsqueeze(-1)).sum(dim=1)
+        super().__init__(s.num_experts, s.hidden_size, s.moe_intermediate_size, gated_activation(s.hidden_act))
 
 
 class DeepseekV3MoE(nn.Module):
@@ -377,9 +347,6 @@ class DeepseekV3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, s.qk_rope_head_dim, interleaved=s.rope_interleave)
 
 
-_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 class DeepseekV3ForCausalLM(DecoderOnlyLM):
     """deepseek_v3 / kimi_k2 causal LM implementing :class:`specdec.models.CausalLM`."""
 
@@ -412,15 +379,7 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
         return [pool]
 
     # ----- weights -----
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a checkpoint's tensors: fused or per-expert MoE weights, MTP layers skipped."""
-        experts = _PerExpertLoader(self)
-        load_named_weights(
-            self, experts.intercept(weights), rename=self._checkpoint_name, optional=experts.was_filled
-        )
-        experts.check_complete()
-
-    def _checkpoint_name(self, name: str) -> str | None:
+    def _checkpoint_name(self, name: str) -> str | SliceTarget | None:
         name = self._common_checkpoint_name(name, bare_model_prefix=False)
         if name is None:
             return None
@@ -428,69 +387,11 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
         if layer is not None and layer >= self.num_layers:
             # Multi-token-prediction modules sit after the decoder layers; the engine does not run them.
             return None
-        return name
+        # Per-expert tensors fill slices of the stacked experts; those of a dense layer are unexpected.
+        sliced = expert_slice(name, self.settings.num_experts, self.settings.moe_intermediate_size)
+        return name if sliced is None else sliced
 
 
 def _layer_index(name: str) -> int | None:
     match = re.match(r"^model\.layers\.(\d+)\.", name)
     return int(match.group(1)) if match else None
-
-
-class _PerExpertLoader:
-    """Copies per-expert checkpoint tensors into slices of the stacked expert parameters.
-
-    Tensors of other kinds (and of layers or experts the model does not have) pass through unchanged,
-    so the name-based loader reports or skips them as usual.
-    """
-
-    def __init__(self, model: DeepseekV3ForCausalLM):
-        self._model = model
-        self._filled: dict[str, set[tuple[int, str]]] = {}  # stacked param name -> {(expert, proj)}
-
-    def intercept(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if not self._try_copy(name, tensor):
-                yield name, tensor
-
-    def _try_copy(self, name: str, tensor: torch.Tensor) -> bool:
-        match = _EXPERT_TENSOR.match(name)
-        if match is None:
-            return False
-        layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
-        model = self._model
-        if layer >= model.num_layers or not model.settings.is_moe_layer(layer) or expert >= model.settings.num_experts:
-            return False
-        experts = model.model.layers[layer].mlp.experts
-        size = experts.intermediate_size
-        if proj == "down_proj":
-            param_name, target = "down_proj", experts.down_proj[expert]
-        else:
-            rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-            param_name, target = "gate_up_proj", experts.gate_up_proj[expert, rows]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
-        self._filled.setdefault(f"model.layers.{layer}.mlp.experts.{param_name}", set()).add((expert, proj))
-        return True
-
-    def was_filled(self, param_name: str) -> bool:
-        """Stacked parameters that received per-expert tensors; :meth:`check_complete` checks them fully."""
-        return param_name in self._filled
-
-    def check_complete(self) -> None:
-        missing = []
-        for param_name, got in self._filled.items():
-            prefix = param_name.rsplit(".", 1)[0]
-            projs = ("down_proj",) if param_name.endswith("down_proj") else ("gate_proj", "up_proj")
-            missing += [
-                f"{prefix}.{e}.{p}.weight"
-                for e in range(self._model.settings.num_experts)
-                for p in projs
-                if (e, p) not in got
-            ]
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise CheckpointError(f"tensors missing from the checkpoint: {shown}")

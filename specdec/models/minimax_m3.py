@@ -23,8 +23,8 @@ backend call per indexer head group, so any backend with ``custom_mask`` support
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Iterable
 
 import attrs
 import torch
@@ -37,17 +37,9 @@ from specdec.cache.pool import PagedPool
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
-from specdec.models.minimax_m2 import (
-    FusedExperts,
-    SliceTarget,
-    check_gqa,
-    expert_slice,
-    head_dim_of,
-    is_mtp_tensor,
-    load_weights_with_slices,
-    rotary_dim_of,
-    sigmoid_topk_routing,
-)
+from specdec.models.minimax_m2 import check_gqa, head_dim_of, is_mtp_tensor, rotary_dim_of
+from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
+from specdec.models.weights import SliceTarget, row_pieces
 
 SPARSE_LAYER = "minimax_m3_sparse"
 FULL_LAYER = "full_attention"
@@ -126,10 +118,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        if not 0 < self.top_k <= config.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({self.top_k}) must be in 1..num_local_experts ({config.num_local_experts})"
-            )
+        check_top_k(self.top_k, config.num_local_experts)
         self.routed_scaling_factor = config.routed_scaling_factor
         alpha, limit = config.swiglu_alpha, config.swiglu_limit
         self.gate = MiniMaxM3Router(config)
@@ -144,7 +133,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
         weights, experts = sigmoid_topk_routing(logits, self.gate.e_score_correction_bias, self.top_k)
-        return self.experts(x, experts, weights) * self.routed_scaling_factor + self.shared_experts(x)
+        return self.experts(x, experts, weights).to(x.dtype) * self.routed_scaling_factor + self.shared_experts(x)
 
 
 class MiniMaxM3Indexer(nn.Module):
@@ -405,9 +394,6 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         return pools
 
     # ----- weights -----
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights_with_slices(self, weights, self._checkpoint_name)
-
     def _checkpoint_name(self, name: str) -> str | SliceTarget | None:
         if is_mtp_tensor(name):
             return None
@@ -435,5 +421,8 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
             shared = module.endswith(".shared_experts")
             inter = text.shared_intermediate_size if shared else text.dense_intermediate_size
             rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
-            return SliceTarget(f"{module}.gate_up_proj.weight", (rows,), 2)
+            pieces = functools.partial(
+                row_pieces, [(f"{module}.gate_proj.weight", inter), (f"{module}.up_proj.weight", inter)]
+            )
+            return SliceTarget(f"{module}.gate_up_proj.weight", (rows,), pieces)
         return name

@@ -1,53 +1,116 @@
-"""Copy checkpoint tensors into a module by name, with errors that say what does not fit."""
+"""Copy checkpoint tensors into a module by name, with errors that say what does not fit.
+
+Tensors stream in one at a time, so loading never holds a second copy of the weights. A checkpoint
+tensor may fill a whole parameter or a slice of one (:class:`SliceTarget`: per-expert tensors of
+stacked experts, split ``gate_proj`` / ``up_proj`` of a fused ``gate_up_proj``).
+"""
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import attrs
 import torch
 from torch import nn
 
 from specdec.models.loader import CheckpointError
 
 
+@attrs.frozen
+class SliceTarget:
+    """A checkpoint tensor that fills ``param[index]``, one of the pieces that make up ``param``.
+
+    ``pieces()`` lists every piece of ``param`` as ``(index, checkpoint name)``: the loader checks
+    that all arrived and names the ones that did not.
+    """
+
+    param: str
+    index: tuple
+    pieces: Callable[[], Iterable[tuple[tuple, str]]] = attrs.field(eq=False, repr=False)
+
+
 def load_named_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     *,
-    rename: Callable[[str], str | None] | None = None,
+    rename: Callable[[str], str | SliceTarget | None] | None = None,
     optional: Callable[[str], bool] | None = None,
 ) -> None:
     """Copy each ``(name, tensor)`` into the parameter or buffer of the same name (after ``rename``).
 
-    ``rename`` maps a checkpoint name to the module's name, or to None to skip the tensor on purpose
-    (e.g. MTP layers the engine does not run). Every parameter must be filled exactly once unless
-    ``optional(name)`` says it may be absent (e.g. a tied ``lm_head``); anything else raises
-    :class:`CheckpointError` naming the tensors.
+    ``rename`` maps a checkpoint name to the module's name, to a :class:`SliceTarget`, or to None to
+    skip the tensor on purpose (e.g. MTP layers the engine does not run). Every parameter must be
+    filled exactly once, whole or by all its pieces, unless ``optional(name)`` says it may be absent
+    (e.g. a tied ``lm_head``); anything else raises :class:`CheckpointError` naming the tensors.
     """
     targets = dict(module.named_parameters())
     targets.update(dict(module.named_buffers()))
     loaded: set[str] = set()
+    filled: dict[str, tuple[SliceTarget, set[tuple]]] = {}  # sliced param -> (a target, piece keys)
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name) if rename else ckpt_name
         if name is None:
             continue
-        target = targets.get(name)
+        sliced = isinstance(name, SliceTarget)
+        target = targets.get(name.param if sliced else name)
         if target is None:
             unexpected.append(ckpt_name)
             continue
-        if tuple(target.shape) != tuple(tensor.shape):
+        dest = target.data[name.index] if sliced else target
+        if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(
-                f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
             )
         with torch.no_grad():
-            target.copy_(tensor)
-        loaded.add(name)
+            dest.copy_(tensor)
+        if sliced:
+            filled.setdefault(name.param, (name, set()))[1].add(_index_key(name.index))
+        else:
+            loaded.add(name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in the checkpoint: {_names(unexpected)}")
-    missing = [n for n in dict(module.named_parameters()) if n not in loaded and not (optional and optional(n))]
+    missing = [
+        n
+        for n in dict(module.named_parameters())
+        if n not in loaded and n not in filled and not (optional and optional(n))
+    ]
     if missing:
         raise CheckpointError(f"tensors missing from the checkpoint: {_names(missing)}")
+    partial = []
+    for param, (target, got) in filled.items():
+        pieces = {_index_key(index): name for index, name in target.pieces()}
+        absent = [name for key, name in pieces.items() if key not in got]
+        if absent:
+            partial.append(f"{param} ({len(pieces) - len(absent)} of {len(pieces)} pieces): {_names(absent)}")
+    if partial:
+        raise CheckpointError(f"tensors missing from the checkpoint: parts of {'; '.join(partial)}")
+
+
+def load_weights_with_slices(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str | SliceTarget | None],
+) -> None:
+    """:func:`load_named_weights` with a ``rename`` that may return :class:`SliceTarget` s (kept for callers)."""
+    load_named_weights(module, weights, rename=rename)
+
+
+def row_pieces(parts: Iterable[tuple[str, int]], lead: tuple = ()) -> list[tuple[tuple, str]]:
+    """Pieces stacked along rows: ``parts`` are ``(checkpoint name, rows)`` in order (gate, then up).
+
+    ``lead`` indexes the dimensions before the rows (an expert): the pieces fill ``param[*lead, start:stop]``.
+    """
+    pieces, start = [], 0
+    for name, rows in parts:
+        pieces.append(((*lead, slice(start, start + rows)), name))
+        start += rows
+    return pieces
+
+
+def _index_key(index: tuple) -> tuple:
+    # Slices are unhashable before Python 3.12.
+    return tuple((i.start, i.stop) if isinstance(i, slice) else i for i in index)
 
 
 def _names(names: list[str], limit: int = 8) -> str:

@@ -1,0 +1,151 @@
+"""Mixture-of-experts pieces shared by DeepSeek-V3 / Kimi-K2, MiniMax-M2 and MiniMax-M3.
+
+Routed experts are held stacked, as transformers 5.x keeps them in memory: ``gate_up_proj [E, 2I, H]``
+(gate rows first) and ``down_proj [E, H, I]``. Checkpoints written per expert (transformers'
+``save_pretrained`` and the hub: ``mlp.experts.N.{gate,up,down}_proj.weight``, MiniMax's
+``block_sparse_moe.experts.N.{w1,w3,w2}.weight``) are copied into slices of those tensors while
+streaming (:func:`expert_slice`), so loading never builds a second copy of the experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from specdec.models.layers import compute_dtype
+from specdec.models.loader import CheckpointError
+from specdec.models.weights import SliceTarget, row_pieces
+
+
+def check_top_k(top_k: int, num_experts: int) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_local_experts ({num_experts})")
+
+
+def gated_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act(gate) * up`` over ``[n, 2I]`` rows holding the gate half then the up half."""
+    if hidden_act not in ACT2FN:
+        raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
+    act = ACT2FN[hidden_act]
+
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        half = gate_up.shape[-1] // 2
+        return act(gate_up[..., :half]) * gate_up[..., half:]
+
+    return gated
+
+
+def sigmoid_topk_routing(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax routing: experts chosen by ``sigmoid(logit) + bias``, weighted by the normalised sigmoid.
+
+    The bias only steers the choice (load balancing); the weights come from the raw sigmoid scores.
+    Computed in at least float32 like the reference. Returns ``(weights [T, k], experts [T, k])``.
+    """
+    scores = torch.sigmoid(router_logits.to(compute_dtype(router_logits.dtype)))
+    chosen = torch.topk(scores + correction_bias.to(scores.dtype), top_k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    return weights / weights.sum(dim=-1, keepdim=True), chosen
+
+
+class FusedExperts(nn.Module):
+    """``E`` gated experts as two stacked tensors; ``activation`` maps ``[n, 2I]`` gate|up to ``[n, I]``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` as ``[T, H]``, summed in at least float32.
+
+        The result stays in that precision: callers add their shared experts or scaling and cast.
+        (token, slot) pairs are sorted by expert so each expert runs one matmul over all its tokens
+        (a loop over experts, never over tokens).
+        """
+        num_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[token]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                seg = self.activation(F.linear(rows[start : start + n], self.gate_up_proj[e]))
+                out_rows[start : start + n] = F.linear(seg, self.down_proj[e])
+                start += n
+        # Back to (token, slot) order, then a fixed-order sum over the k slots: deterministic, unlike
+        # index_add_, and far cheaper on CPU.
+        unsorted = torch.empty_like(out_rows)
+        unsorted[order] = out_rows
+        cd = compute_dtype(x.dtype)
+        weighted = unsorted.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
+        return weighted.sum(dim=1)
+
+
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+# Each spelling's (gate, up, down) names: MiniMax's hub w1/w3/w2, transformers' *_proj.
+_SPELLINGS = {part: ("w1", "w3", "w2") for part in ("w1", "w2", "w3")}
+_SPELLINGS.update({part: ("gate_proj", "up_proj", "down_proj") for part in ("gate_proj", "up_proj", "down_proj")})
+
+
+def expert_slice(name: str, num_experts: int, intermediate_size: int) -> SliceTarget | None:
+    """Per-expert checkpoint name -> the slice of the stacked ``<layer>.mlp.experts`` tensors it fills.
+
+    None when ``name`` is not a per-expert tensor. The module path before ``.mlp`` /
+    ``.block_sparse_moe`` is kept as it is; a missing layer or expert shows up as unexpected.
+    """
+    match = _PER_EXPERT.match(name)
+    if match is None:
+        return None
+    layer, container, expert, part = match.group(1), match.group(2), int(match.group(3)), match.group(4)
+    if not 0 <= expert < num_experts:
+        raise CheckpointError(
+            f"unexpected tensor {name!r} in the checkpoint: it names expert {expert}, "
+            f"the model has {num_experts} experts"
+        )
+    gate, up, down = _SPELLINGS[part]
+    pieces = functools.partial(
+        _expert_pieces, f"{layer}.{container}.experts", (gate, up, down), num_experts, intermediate_size, part == down
+    )
+    if part == down:
+        return SliceTarget(f"{layer}.mlp.experts.down_proj", (expert,), pieces)
+    rows = slice(0, intermediate_size) if part == gate else slice(intermediate_size, 2 * intermediate_size)
+    return SliceTarget(f"{layer}.mlp.experts.gate_up_proj", (expert, rows), pieces)
+
+
+def _expert_pieces(
+    prefix: str, spelling: tuple[str, str, str], num_experts: int, intermediate_size: int, down: bool
+) -> list[tuple[tuple, str]]:
+    """Every per-expert tensor of one stacked parameter, in the spelling the checkpoint used."""
+    gate, up, down_name = spelling
+    if down:
+        return [((e,), f"{prefix}.{e}.{down_name}.weight") for e in range(num_experts)]
+    return [
+        piece
+        for e in range(num_experts)
+        for piece in row_pieces(
+            [(f"{prefix}.{e}.{gate}.weight", intermediate_size), (f"{prefix}.{e}.{up}.weight", intermediate_size)],
+            lead=(e,),
+        )
+    ]

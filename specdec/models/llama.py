@@ -13,19 +13,13 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.dims import head_dim_of
 from specdec.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _num_kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def sliding_windows(config) -> list[int | None]:
@@ -53,38 +47,22 @@ def sliding_windows(config) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(GQASelfAttention):
     """GQA self-attention whose K/V live in layer ``layer_idx`` of a paged attention pool."""
 
     def __init__(self, config, layer_idx: int, sliding_window: int | None):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(config)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_kv_heads})"
-            )
-        self.head_dim = _head_dim(config)
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = sliding_window
         if config.model_type == "qwen2":
             # Qwen2 always has q/k/v biases and never an o_proj bias (its config has no switch).
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        super().__init__(config, layer_idx, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.sliding_window = sliding_window
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.pool: str | None = None  # bound by LlamaForCausalLM.kv_pools
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
@@ -142,7 +120,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # No parameters or buffers: its float32 tables are rebuilt by reset_buffers() after loading.
-        self.rotary_emb = RotaryEmbedding(config, _head_dim(config))
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

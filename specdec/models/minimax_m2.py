@@ -17,39 +17,15 @@ import re
 import torch
 from torch import nn
 
-# aux_capture_counts and load_weights_with_slices are re-exported: they were first defined here.
+# aux_capture_counts, check_gqa, head_dim_of and load_weights_with_slices are re-exported: they were
+# first defined here.
+from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts, bound_pool  # noqa: F401
+from specdec.models.dims import check_gqa, head_dim_of, rotary_dim_of  # noqa: F401
 from specdec.models.layers import RMSNorm, RotaryEmbedding
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, load_weights_with_slices  # noqa: F401
-
-
-# ----------------------------------------------------------------------------------------------
-# shared helpers (also used by minimax_m3)
-# ----------------------------------------------------------------------------------------------
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def rotary_dim_of(config) -> int:
-    """Rotated channels per head, as transformers derives them: ``head_dim * partial_rotary_factor``."""
-    params = getattr(config, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    dim = int(head_dim_of(config) * factor)
-    if not 0 < dim <= head_dim_of(config) or dim % 2:
-        raise ValueError(
-            f"partial_rotary_factor {factor} gives {dim} rotary channels for head_dim {head_dim_of(config)}; "
-            "it must give an even number between 2 and head_dim"
-        )
-    return dim
-
-
-def check_gqa(num_heads: int, num_kv_heads: int) -> None:
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
-        )
 
 
 def is_mtp_tensor(name: str) -> bool:
@@ -57,28 +33,13 @@ def is_mtp_tensor(name: str) -> bool:
     return re.search(r"(^|\.)mtp\.", name) is not None
 
 
-# ----------------------------------------------------------------------------------------------
-# MiniMax-M2
-# ----------------------------------------------------------------------------------------------
-class MiniMaxM2Attention(nn.Module):
+class MiniMaxM2Attention(GQASelfAttention):
     """GQA attention; q_norm / k_norm normalise the full projection width before the head split."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        check_gqa(self.num_heads, self.num_kv_heads)
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        super().__init__(config, layer_idx)
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
-        self.pool: str | None = None  # bound by kv_pools()
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext

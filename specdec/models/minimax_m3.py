@@ -34,10 +34,12 @@ from torch import nn
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.backends.torch_ref import gather_pages
 from specdec.cache.pool import PagedPool
+from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.dims import rotary_dim_of
 from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
-from specdec.models.minimax_m2 import check_gqa, head_dim_of, is_mtp_tensor, rotary_dim_of
+from specdec.models.minimax_m2 import is_mtp_tensor
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, row_pieces
 
@@ -252,28 +254,16 @@ def block_sparse_attention(
     return torch.cat(outs, dim=1)
 
 
-class MiniMaxM3Attention(nn.Module):
+class MiniMaxM3Attention(GQASelfAttention):
     """GQA attention with per-head Gemma QK norm and partial RoPE; block-sparse when it has an indexer."""
 
     def __init__(self, config, layer_idx: int, sparse: bool):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        check_gqa(self.num_heads, self.num_kv_heads)
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        super().__init__(config, layer_idx)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.indexer = MiniMaxM3Indexer(config) if sparse else None
         if sparse:
             self._check_head_groups(config.index_n_heads)
-        self.pool: str | None = None  # bound by kv_pools()
 
     def _check_head_groups(self, index_heads: int) -> None:
         # Each indexer head serves a contiguous group of query heads, which must not split a KV head's

@@ -240,10 +240,12 @@ class Eagle3Proposer(ProposerBase):
         if not requests:
             return [], None, None
         post, nxt = self._forward(requests, tokens, positions, torch.cat(hidden))
-        index = torch.tensor(last_rows, device=post.device)
-        for seq_id in requests:
-            if not self.shares_target_pool:
+        if not self.shares_target_pool:
+            for seq_id in requests:
                 restore[seq_id] = self.cache.num_tokens(seq_id, self.pool)
+        if not ready:
+            return [], None, None
+        index = torch.tensor(last_rows, dtype=torch.long, device=post.device)
         return ready, post[index], nxt[index]
 
     def _prepare_rows(self, request: Hashable, lo: int, restore) -> None:

@@ -33,7 +33,7 @@ from transformers.activations import ACT2FN
 from specdec.cache.pool import MLAPool, PagedPool
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
-from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
 from specdec.models.weights import SliceTarget
 
@@ -235,18 +235,8 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
-class DeepseekV3MLP(nn.Module):
-    """Gated MLP ``down(act(gate(x)) * up(x))``: the dense layers and the shared experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act = ACT2FN[hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+class DeepseekV3MLP(GatedMLP):
+    """Gated MLP ``down(act(gate(x)) * up(x))``, no biases: the dense layers and the shared experts."""
 
 
 class DeepseekV3TopkRouter(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
@@ -37,6 +38,24 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with separate ``gate_proj`` / ``up_proj`` (SwiGLU for ``"silu"``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if hidden_act not in ACT2FN:
+            raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
+        self.act = None if hidden_act == "silu" else ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        inner = silu_and_mul(gate, up) if self.act is None else self.act(gate) * up
+        return self.down_proj(inner)
 
 
 class RotaryEmbedding(nn.Module):

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.dims import head_dim_of
-from specdec.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -79,24 +78,16 @@ class LlamaAttention(GQASelfAttention):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU for the usual ``hidden_act="silu"``)."""
 
     def __init__(self, config):
-        super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ACT2FN:
-            raise ValueError(f"unknown hidden_act {act!r}; choose one of {sorted(ACT2FN)}")
-        self.act = None if act == "silu" else ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        inner = silu_and_mul(gate, up) if self.act is None else self.act(gate) * up
-        return self.down_proj(inner)
+        super().__init__(
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "hidden_act", "silu"),
+            bias=bool(getattr(config, "mlp_bias", False)),
+        )
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -1,4 +1,4 @@
-"""``python -m specdec.train {corpus,tokenizer,target,measure,presets}``: see each subcommand's --help."""
+"""``python -m specdec.train {corpus,tokenizer,target,draft,measure,measure-draft,presets}``: see each --help."""
 
 from __future__ import annotations
 
@@ -51,6 +51,47 @@ def _cmd_target(args) -> int:
     return 0
 
 
+def _cmd_draft(args) -> int:
+    from specdec.train.eagle3 import DraftTrainConfig, train_draft
+
+    config = DraftTrainConfig(
+        preset=args.preset,
+        target_dir=args.target,
+        output_dir=args.out,
+        steps=args.steps,
+        quick=args.quick,
+        seed=args.seed,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    result = train_draft(config)
+    agreement = "/".join(f"{a:.2f}" for a in result.val_accuracy[-1][1]) if result.val_accuracy else "-"
+    print(
+        f"saved {args.preset} ({result.num_parameters / 1e6:.2f}M params) to {result.output_dir}: "
+        f"{result.steps} steps, val top-1 agreement per step {agreement}, {result.tokens_per_second:.0f} tok/s"
+    )
+    return 0
+
+
+def _cmd_measure_draft(args) -> int:
+    from specdec.train.eagle3 import get_draft_preset, measure_draft_throughput
+
+    for name in args.preset:
+        preset = get_draft_preset(name)
+        target = args.target or _default_target(name)
+        print(json.dumps(measure_draft_throughput(preset, target, steps=args.steps, threads=args.threads)), flush=True)
+    return 0
+
+
+def _default_target(draft_name: str) -> str:
+    from specdec.train.presets import PRESETS
+
+    for name in sorted(PRESETS, key=len, reverse=True):
+        if draft_name.startswith(name + "-"):
+            return name
+    raise ValueError(f"cannot tell the target preset of draft {draft_name!r}; pass --target PRESET")
+
+
 def _cmd_measure(args) -> int:
     from specdec.train.presets import PRESETS
     from specdec.train.target import measure_throughput
@@ -65,9 +106,14 @@ def _cmd_measure(args) -> int:
 def _cmd_presets(args) -> int:
     from specdec.train.presets import PRESETS
 
+    from specdec.train.eagle3 import DRAFT_PRESETS
+
     for name, preset in PRESETS.items():
-        print(f"{name:18s} {preset.model_type:20s} steps {preset.steps:5d} (quick {preset.quick_steps:4d})  "
+        print(f"{name:28s} {preset.model_type:20s} steps {preset.steps:5d} (quick {preset.quick_steps:4d})  "
               f"{preset.description}")
+    for name, draft in DRAFT_PRESETS.items():
+        kind = "eagle3-" + draft.attention + ("-unshifted" if draft.unshifted else "")
+        print(f"{name:28s} {kind:20s} steps {draft.steps:5d} (quick {draft.quick_steps:4d})  {draft.description}")
     return 0
 
 
@@ -95,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (~1.5x)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_target)
+
+    p = sub.add_parser("draft", help="train an EAGLE3 draft preset against a trained target folder")
+    p.add_argument("--preset", required=True, help="draft preset name (see `presets`)")
+    p.add_argument("--target", required=True, help="trained target checkpoint folder (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output draft folder")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_draft)
+
+    p = sub.add_parser("measure-draft", help="measure draft training tokens/s against a random target")
+    p.add_argument("--preset", action="append", required=True, help="draft preset name (repeatable)")
+    p.add_argument("--target", default=None, help="target preset (default: from the draft's name)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cmd_measure_draft)
 
     p = sub.add_parser("measure", help="measure training tokens/s of presets on random tokens")
     p.add_argument("--preset", action="append", help="preset name (repeatable; default: all zoo presets)")

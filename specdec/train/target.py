@@ -183,8 +183,6 @@ def train_target(config: TargetTrainConfig) -> TrainResult:
         "train_tokens_in_corpus": int(train_stream.numel()),
         "final_train_loss": sum(train_losses[-20:]) / len(train_losses[-20:]),
         "val_losses": val_losses,
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "wall_seconds": round(elapsed, 1),
         "num_parameters": result.num_parameters,
         "corpus_fingerprint": corpus_fingerprint(train_docs),
         "python": platform.python_version(),

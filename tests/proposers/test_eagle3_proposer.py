@@ -50,7 +50,9 @@ CASES = {
         DraftSpec(layout="sglang", kv_heads=4, fc_norm=True, norm_output=True, flags_in_eagle_config=True,
                   own_lm_head=False),
     ),
-    "sglang_model-fc_norm-reduced": ("llama", DraftSpec(layout="sglang_model", kv_heads=4, fc_norm=True, draft_vocab=48)),
+    "sglang_model-fc_norm-reduced": (
+        "llama", DraftSpec(layout="sglang_model", kv_heads=4, fc_norm=True, draft_vocab=48)
+    ),
     "vllm-norm_output-norm_before_residual": (
         "llama", DraftSpec(layout="vllm", kv_heads=4, norm_output=True, norm_before_residual=True)
     ),

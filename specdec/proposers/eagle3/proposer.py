@@ -85,6 +85,7 @@ class Eagle3Proposer(ProposerBase):
 
     # Draft position of the row fed with target hidden index j is j + position_offset.
     position_offset = 0
+    methods: tuple[str, ...] = METHODS  # speculative methods this class serves
 
     def __init__(
         self,
@@ -97,8 +98,8 @@ class Eagle3Proposer(ProposerBase):
     ):
         if not (isinstance(num_speculative_tokens, int) and num_speculative_tokens >= 1):
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {num_speculative_tokens!r}")
-        if method not in METHODS:
-            raise ValueError(f"unknown EAGLE3 proposer method {method!r}; choose one of {list(METHODS)}")
+        if method not in self.methods:
+            raise ValueError(f"unknown EAGLE3 proposer method {method!r}; choose one of {list(self.methods)}")
         self.model_path = model
         self.num_speculative_tokens = num_speculative_tokens
         self.method = method
@@ -131,7 +132,9 @@ class Eagle3Proposer(ProposerBase):
             draft.join_pool(shared)
             self.pool, self.shares_target_pool, self.pool_names = shared.name, True, ()
         else:
-            size = choose_block_size(draft, backend, self.block_size, context.dtype, what="speculative config block_size")
+            size = choose_block_size(
+                draft, backend, self.block_size, context.dtype, what="speculative config block_size"
+            )
             (pool,) = [context.cache.register(p) for p in draft.kv_pools(DRAFT_POOL, size, context.dtype)]
             self.pool, self.shares_target_pool, self.pool_names = pool.name, False, (pool.name,)
         self.draft = draft
@@ -232,8 +235,9 @@ class Eagle3Proposer(ProposerBase):
             positions.append(list(range(lo + off, hi + off)))
             hidden.append(state.hidden[lo - state.hidden_start : hi - state.hidden_start])
             state.done = hi
-            # Keep only the last consumed row (for a step that brings nothing new).
-            state.hidden, state.hidden_start = state.hidden[hi - 1 - state.hidden_start :], hi - 1
+            # Keep only the last consumed row (for a step that brings nothing new); a copy, so the
+            # prompt's states are released now rather than at the next step.
+            state.hidden, state.hidden_start = state.hidden[hi - 1 - state.hidden_start :].clone(), hi - 1
             if will_draft:
                 ready.append(i)
                 last_rows.append(sum(map(len, tokens)) - 1)
@@ -327,6 +331,8 @@ class Eagle3Proposer(ProposerBase):
         Slots come from the pool's block table at the draft's own positions, which is what both homes
         need: the own pool grows by exactly these rows, and in the target's MLA pool draft position p
         is the target's slot for p (pages past the target's length are reserved by the scheduler).
+        A sequence that starts past 0 in the pool (``PagedKVCache.set_start``, an unshifted draft
+        sharing the prompt's KV) holds positions from its start, so pages are indexed from there.
         """
         cache, pool = self.cache, self.pool
         bs = cache.pool(pool).block_size
@@ -337,9 +343,10 @@ class Eagle3Proposer(ProposerBase):
             if end > have:
                 cache.append_slots(request, end - have, [pool])
             table = cache.block_table(request, pool)
-            slots += [table[p // bs] * bs + p % bs for p in pos]
+            first = cache.sequence_start(request, pool)
+            slots += [table[(p - first) // bs] * bs + (p - first) % bs for p in pos]
             query_lens.append(len(pos))
-            seq_lens.append(end)
+            seq_lens.append(end - first)
         return AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=seq_lens,

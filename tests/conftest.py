@@ -2,7 +2,8 @@
 
 Tiny models are dominated by per-op overhead; with two intra-op threads on a two-core machine
 shared with other processes, small ops spend most of their time in thread hand-offs (measured:
-repeat_interleave 2.4 ms vs 18 us). One thread keeps every test file fast.
+repeat_interleave 2.4 ms vs 18 us). One thread keeps every test file fast. Without a GPU,
+``TRITON_INTERPRET=1`` is set for the whole session (see below).
 
 ``tiny_checkpoint(arch)`` returns the folder of a float64 random checkpoint saved by transformers
 (``save_pretrained``), built on first use and reused by every test of the session. ``"llama"``
@@ -11,6 +12,7 @@ also carries a word-level tokenizer, so text prompts work. Other test authors ma
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +20,12 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Triton picks interpreter or compiler when a kernel is decorated (its module's first import), so the
+# variable is set here, before any test module of any folder can import one. Without a GPU the
+# interpreter is the only way the triton and aiter backends run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 128
 EOS = 2

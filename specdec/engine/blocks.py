@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.backends.base import AttentionBackend
+from specdec.engine.compat import PageSizeError, describe_support
 from specdec.models.base import CausalLM
 
 # Tried in order when nothing is asked for: 16 suits paged-attention kernels (aiter needs
@@ -31,22 +32,23 @@ def choose_block_size(
         if not (isinstance(requested, int) and not isinstance(requested, bool) and requested >= 1):
             raise ValueError(f"{what} must be a positive int or None, got {requested!r}")
         if required is not None and requested != required:
-            raise ValueError(
+            raise PageSizeError(
                 f"{what}={requested} does not suit this architecture, which needs pages of {required} tokens; "
                 f"pass {what}={required} or leave it unset"
             )
         unsupported = _unsupported_kinds(model, backend, requested, dtype)
         if unsupported:
-            raise ValueError(
+            supports = "; ".join(describe_support(backend, kind) for kind in unsupported)
+            raise PageSizeError(
                 f"attention backend {backend.name!r} does not support {what}={requested} for "
-                f"{'/'.join(unsupported)} pools; pick another {what} or backend"
+                f"{'/'.join(unsupported)} pools (it supports {supports}); pick another {what} or backend"
             )
         return requested
     candidates = (required,) if required is not None else _PREFERRED
     for size in candidates:
         if not _unsupported_kinds(model, backend, size, dtype):
             return size
-    raise ValueError(
+    raise PageSizeError(
         f"attention backend {backend.name!r} supports none of the page sizes {list(candidates)} this model can use; "
         "pick another attention backend"
     )

@@ -12,6 +12,7 @@ import torch
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.engine.blocks import choose_block_size
+from specdec.engine.compat import PoolSnapshot, check_engine_pools, proposer_pool_uses
 from specdec.engine.model_runner import Chunk, ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence as EngineSequence
@@ -332,12 +333,16 @@ def register_pools(
     """Register the target's pools (prefix ``"target"``) and let the proposer register its own.
 
     Split from building so that a caller can size the budget from the registered pools first
-    (``LLM`` does, for its default ``kv_cache_memory``). Returns the target's pool names.
+    (``LLM`` does, for its default ``kv_cache_memory``). Then checks that every backend can run every
+    pool it uses (:func:`specdec.engine.compat.check_engine_pools`; an impossible combination of page
+    sizes raises :class:`~specdec.engine.compat.PageSizeError`). Returns the target's pool names.
     """
     dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
     size = choose_block_size(model, backend, block_size, dtype)
     pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, dtype)]
+    draft_uses = []
     if proposer is not None:
+        before = PoolSnapshot.of(cache)
         proposer.setup(
             ProposerContext(
                 target=model,
@@ -349,6 +354,9 @@ def register_pools(
                 max_model_len=int(max_model_len or _config_max_len(model)),
             )
         )
+        draft_uses = proposer_pool_uses(cache, before, pools, proposer, backend)
+    # Before any memory is allocated: one backend that cannot run a pool it uses fails here, in one line.
+    check_engine_pools(pools, backend, draft_uses, required_block_size=getattr(model, "required_block_size", None))
     return [p.name for p in pools]
 
 

@@ -1,23 +1,16 @@
 """Shared set-up of the backend kernel tests.
 
-Triton picks interpreter or compiler when a kernel is decorated (at its module's import), so the
-variable is set here, before any test module of this folder imports a kernel. Without a GPU the
-interpreter is the only way the kernels run.
+``TRITON_INTERPRET=1`` (without a GPU) is set by the session-wide ``tests/conftest.py``, before any
+test module imports a kernel: Triton picks interpreter or compiler when a kernel is decorated.
 """
 
 from __future__ import annotations
 
-import os
-
+import attrs
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import attrs  # noqa: E402
-import pytest  # noqa: E402
-
-from specdec.backends.base import AttentionMetadata  # noqa: E402
+from specdec.backends.base import AttentionMetadata
 
 
 @attrs.frozen

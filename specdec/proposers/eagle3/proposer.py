@@ -71,8 +71,9 @@ class Eagle3Proposer(ProposerBase):
     """Drafts with an EAGLE3 / EAGLE3.1 head (MHA or MLA) loaded by ``load_eagle3_draft``.
 
     - ``method``: ``"eagle3"`` takes the draft its config describes; an MLA draft joins the
-      target's MLA pool when the latents match and no other ``block_size`` is asked for, else it
-      gets a pool of its own. ``"eagle3.1-mla"`` requires an MLA draft in the target's MLA pool.
+      target's MLA pool when the latents match, no other ``block_size`` is asked for and the draft's
+      backend runs that pool's pages, else it gets a pool of its own. ``"eagle3.1-mla"`` requires an
+      MLA draft in the target's MLA pool.
     - ``attention_backend``: the draft's backend (default: the target's).
     - ``block_size``: the draft pool's page size (default: what its backend prefers); for a draft in
       the target's MLA pool it can only be that pool's page size.
@@ -174,11 +175,9 @@ class Eagle3Proposer(ProposerBase):
                     f"{pool.block_size}"
                 )
             return None
-        if not backend.supports_block_size(pool.block_size, "mla"):
-            raise ValueError(
-                f"the draft's attention backend {backend.name!r} does not support the target MLA pool's "
-                f"{pool.block_size}-token pages; pick another speculative config attention_backend"
-            )
+        if not backend.supports_block_size(pool.block_size, "mla") and not must:
+            return None  # a pool of its own, at a page size the draft's backend runs
+        # eagle3.1-mla joins even then: the engine's page-size check names both sides and the fix.
         return pool
 
     # ----- unshifted hooks -----

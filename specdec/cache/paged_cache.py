@@ -26,10 +26,19 @@ class OutOfBlocksError(KVCacheError):
 
 @attrs.define
 class _PoolSequence:
-    """One request's pages in one pool, indexed by logical token position."""
+    """One request's pages in one pool, indexed by logical token position.
+
+    The pool holds positions ``start .. num_tokens - 1``; positions before ``start`` live elsewhere
+    (a draft that reads the target's KV at prompt positions keeps only what follows the prompt).
+    """
 
     blocks: list[int] = attrs.field(factory=list)
     num_tokens: int = 0
+    start: int = 0
+
+    @property
+    def num_stored(self) -> int:
+        return self.num_tokens - self.start
 
 
 class PagedKVCache:
@@ -39,6 +48,10 @@ class PagedKVCache:
     ``memory_budget`` bytes across them by per-token cost, so every pool can hold the same number of
     tokens. Each request keeps a block table and a length per pool: a 128-token-page target pool and a
     16-token-page draft pool coexist without either being padded to the other's page size.
+
+    Lengths are logical positions. A request's sequence in a pool may begin past position 0
+    (:meth:`set_start`): its pages then hold positions ``start ..`` only, ``num_tokens`` stays the
+    logical end, and slots index pages relative to ``start``.
     """
 
     def __init__(self, memory_budget: int, device: torch.device | str = "cpu"):
@@ -126,7 +139,8 @@ class PagedKVCache:
         for name in self._names(pools):
             seq = seqs.get(name)
             have = len(seq.blocks) if seq else 0
-            need = math.ceil(num_tokens / self._pools[name].block_size) - have
+            start = seq.start if seq else 0
+            need = math.ceil(max(0, num_tokens - start) / self._pools[name].block_size) - have
             if need > self._allocators[name].num_free:
                 return False
         return True
@@ -145,7 +159,7 @@ class PagedKVCache:
         plan = []
         for name in names:
             pool, seq = self._pools[name], seqs.get(name)
-            new_len = (seq.num_tokens if seq else 0) + num_new
+            new_len = (seq.num_stored if seq else 0) + num_new
             total = -(-new_len // pool.block_size)
             if total > pool.num_blocks:
                 self.check_fits(new_len, [name])
@@ -159,11 +173,43 @@ class PagedKVCache:
             seq = seqs.setdefault(name, _PoolSequence())
             for _ in range(need):
                 seq.blocks.append(allocator.allocate())
-            start, seq.num_tokens = seq.num_tokens, seq.num_tokens + num_new
+            first = seq.num_stored
+            seq.num_tokens += num_new
             bs, blocks = pool.block_size, seq.blocks
-            slots[name] = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, seq.num_tokens)],
+            slots[name] = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(first, seq.num_stored)],
                                        dtype=torch.int64)
         return slots
+
+    def set_start(self, request: Hashable, start: int, pools: Iterable[str]) -> None:
+        """Begin ``request``'s sequence in ``pools`` at logical position ``start`` instead of 0.
+
+        Its pages there will hold positions ``start ..`` only (the ones before are read from another
+        pool). Only while the request holds nothing in those pools.
+        """
+        if not (isinstance(start, int) and not isinstance(start, bool) and start >= 0):
+            raise ValueError(f"a sequence start must be an int >= 0, got {start!r}")
+        names = self._names(pools)
+        seqs = self._seqs.get(request, {})
+        for name in names:
+            seq = seqs.get(name)
+            if seq is not None and seq.num_stored:
+                raise KVCacheError(
+                    f"cannot move the start of request {request!r} in pool {name!r}: it already holds "
+                    f"{seq.num_stored} tokens there; set the start before the first append"
+                )
+        seqs = self._seqs.setdefault(request, {})
+        for name in names:
+            seqs[name] = _PoolSequence(start=start, num_tokens=start)
+
+    def sequence_start(self, request: Hashable, pool: str) -> int:
+        """The first logical position ``request`` keeps in ``pool`` (0 unless :meth:`set_start` moved it)."""
+        seq = self._seqs.get(request, {}).get(pool)
+        return seq.start if seq else 0
+
+    def blocks_held(self, request: Hashable, pool: str) -> int:
+        """How many pages ``request`` holds in ``pool``."""
+        seq = self._seqs.get(request, {}).get(pool)
+        return len(seq.blocks) if seq else 0
 
     def truncate(self, request: Hashable, new_len: int, pools: Iterable[str] | None = None) -> None:
         """Roll ``request`` back to ``new_len`` tokens (rejected drafts), freeing pages left empty."""
@@ -174,12 +220,13 @@ class PagedKVCache:
                 if new_len:
                     raise KVCacheError(f"request {request!r} holds no tokens in pool {name!r}")
                 continue
-            if new_len > seq.num_tokens or new_len < 0:
+            if new_len > seq.num_tokens or new_len < seq.start:
+                held = str(seq.num_tokens) if not seq.start else f"positions {seq.start}..{seq.num_tokens - 1}"
                 raise KVCacheError(
-                    f"cannot truncate request {request!r} in pool {name!r} to {new_len} tokens: it has {seq.num_tokens}"
+                    f"cannot truncate request {request!r} in pool {name!r} to {new_len} tokens: it has {held}"
                 )
             seq.num_tokens = new_len
-            keep = math.ceil(new_len / self._pools[name].block_size)
+            keep = math.ceil(seq.num_stored / self._pools[name].block_size)
             allocator = self._allocators[name]
             while len(seq.blocks) > keep:
                 allocator.free(seq.blocks.pop())
@@ -192,6 +239,7 @@ class PagedKVCache:
                 allocator.free(block)
 
     def num_tokens(self, request: Hashable, pool: str) -> int:
+        """The logical length of ``request`` in ``pool``: one past the last position it holds."""
         seq = self._seqs.get(request, {}).get(pool)
         return seq.num_tokens if seq else 0
 

@@ -156,16 +156,18 @@ class Scheduler:
         return seq.num_tokens - self._cache.num_tokens(seq.seq_id, self._primary)
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> dict[str, int]:
-        # Pages hold ceil(len / block_size) blocks exactly (the cache frees emptied pages on truncate).
-        cache = self._cache
+        # Pages hold ceil(stored / block_size) blocks exactly (the cache frees emptied pages on
+        # truncate); a pool whose sequence starts past 0 (a draft sharing the prompt's KV) stores
+        # only the positions from its start.
+        cache, sid = self._cache, seq.seq_id
         return {
-            name: -(-num_tokens // bs) - -(-cache.num_tokens(seq.seq_id, name) // bs)
+            name: -(-max(0, num_tokens - cache.sequence_start(sid, name)) // bs) - cache.blocks_held(sid, name)
             for name, bs in self._block_sizes.items()
         }
 
     def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:
-        for name, bs in self._block_sizes.items():
-            free[name] += -(-self._cache.num_tokens(seq.seq_id, name) // bs)
+        for name in self._block_sizes:
+            free[name] += self._cache.blocks_held(seq.seq_id, name)
         self._cache.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

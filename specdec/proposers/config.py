@@ -27,7 +27,7 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "draft_model": ("model",),
     "eagle3": ("model",),
     "eagle3.1-mla": ("model",),
-    "eagle3-unshifted": ("model", "kv_sharing"),
+    "eagle3-unshifted": ("model", "kv_sharing", "kv_sharing_target_layer"),
 }
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "ngram": ("num_speculative_tokens",),
@@ -42,9 +42,12 @@ KEY_TYPES: dict[str, type] = {
     "prompt_lookup_min": int,
     "prompt_lookup_max": int,
     "kv_sharing": bool,
+    "kv_sharing_target_layer": int,
     "attention_backend": str,
     "block_size": int,
 }
+# Int keys that count from 0 (layer indices); every other int key must be >= 1.
+ZERO_BASED_KEYS: tuple[str, ...] = ("kv_sharing_target_layer",)
 # vLLM's choice: with neither bound given both are 5; with one given the other copies it.
 NGRAM_DEFAULT_LOOKUP = 5
 
@@ -65,9 +68,10 @@ def _unknown_key(key: str, method: str) -> ValueError:
 def _check_type(key: str, value: Any) -> None:
     want = KEY_TYPES[key]
     if want is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        lowest = 0 if key in ZERO_BASED_KEYS else 1
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= lowest
         if not ok:
-            raise _error(f"{key} must be an int >= 1, got {value!r}")
+            raise _error(f"{key} must be an int >= {lowest}, got {value!r}")
     elif want is bool:
         if not isinstance(value, bool):
             raise _error(f"{key} must be true or false, got {value!r}")
@@ -90,6 +94,10 @@ class SpeculativeConfig:
       n-gram to look up. Defaults as vLLM: both 5, or the given one copied to the other.
     - ``kv_sharing``: eagle3-unshifted only; the draft reads the target's KV at prompt positions
       instead of computing its own (default true).
+    - ``kv_sharing_target_layer``: eagle3-unshifted with kv_sharing only; the target layer (0-based)
+      whose KV the draft's one layer reads. Default: the draft config's
+      ``eagle_config.kv_sharing_target_layers`` (what it was trained with), else the last target
+      layer whose KV layout matches the draft's.
     - ``attention_backend``: the draft's backend (default: the target's).
     - ``block_size``: the draft pool's page size (default: what its backend prefers).
     """
@@ -100,6 +108,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     kv_sharing: bool | None = None
+    kv_sharing_target_layer: int | None = None
     attention_backend: str | None = None
     block_size: int | None = None
 
@@ -130,6 +139,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", hi)
         if self.method == "eagle3-unshifted" and self.kv_sharing is None:
             object.__setattr__(self, "kv_sharing", True)
+        if self.kv_sharing_target_layer is not None and not self.kv_sharing:
+            raise _error("kv_sharing_target_layer needs kv_sharing=true (without sharing the draft reads no target "
+                         "layer); drop it or set kv_sharing=true")
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> "SpeculativeConfig":

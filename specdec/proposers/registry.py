@@ -22,7 +22,7 @@ _PROPOSERS: dict[str, Union[str, Factory]] = {
     "draft_model": "specdec.proposers.draft_model:DraftModelProposer.from_config",
     "eagle3": "specdec.proposers.eagle3.proposer:Eagle3Proposer.from_config",
     "eagle3.1-mla": "specdec.proposers.eagle3.proposer:Eagle3Proposer.from_config",
-    # "eagle3-unshifted": registered by its module (register_proposer).
+    "eagle3-unshifted": "specdec.proposers.eagle3.unshifted:UnshiftedEagle3Proposer.from_config",
 }
 
 

@@ -1,0 +1,189 @@
+"""KV sharing for unshifted EAGLE3 drafts: which target layer the draft reads, and the attention that does.
+
+An unshifted draft puts token ``p`` at position ``p``, like the target, so at prompt positions it can
+use a target layer's cached K/V (or MLA latent) instead of computing its own (FACTS.md section 4;
+vLLM's ``kv_sharing_target_layer_name``, SGLang's frozen-KV MTP). Its queries then attend over two
+disjoint key sets: the target layer's rows at positions ``[0, P)`` (``P`` = the prompt length), read
+non-causally from the target's pool, and its own rows at positions ``>= P``, causal in its own pool.
+The two partial results merge exactly by their log-sum-exp (:func:`merge_attention_states`).
+
+The mapping is ``{draft layer: target layer}``; EAGLE3 drafts have one layer, so it is one target
+layer index. Layouts must match exactly: MHA/GQA (kv heads, head dim and value head dim) or MLA
+(kv_lora_rank and rope dims); anything else is refused with the layouts named.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+
+from specdec.backends.base import AttentionMetadata
+from specdec.backends.merge import merge_attention_states
+from specdec.cache.pool import PagedPool
+from specdec.models.base import ForwardContext
+
+
+@attrs.frozen
+class SharedLayer:
+    """Draft layer ``draft_layer`` reads target layer ``target_layer``, stored as layer ``pool_layer`` of ``pool``."""
+
+    draft_layer: int
+    target_layer: int
+    pool: str
+    pool_layer: int
+
+
+@attrs.frozen
+class KVSource:
+    """Keys to attend over without writing: layer ``layer`` of pool ``pool``, described by ``metadata``."""
+
+    pool: str
+    layer: int
+    metadata: AttentionMetadata
+
+
+def pool_layout(pool: PagedPool) -> tuple | None:
+    """The KV layout a pool layer holds: ``("attention", kv_heads, head_dim, v_head_dim)``,
+    ``("mla", kv_lora_rank, rope_dim)``, or None for layouts a draft cannot read (indexer keys, ...)."""
+    if pool.kind == "attention":
+        return ("attention", pool.num_kv_heads, pool.head_dim, pool.v_head_dim)
+    if pool.kind == "mla":
+        return ("mla", pool.kv_lora_rank, pool.qk_rope_head_dim)
+    return None
+
+
+def draft_layout(draft) -> tuple:
+    """The layout of the draft's own KV, in :func:`pool_layout`'s terms."""
+    if draft.is_mla:
+        return ("mla", draft.kv_lora_rank, draft.qk_rope_head_dim)
+    attn = draft.midlayer.self_attn
+    return ("attention", attn.num_kv_heads, attn.head_dim, attn.head_dim)
+
+
+def describe_layout(layout: tuple | None) -> str:
+    if layout is None:
+        return "no K/V a draft can read"
+    if layout[0] == "attention":
+        _, heads, dim, vdim = layout
+        return f"MHA/GQA K/V of {heads} kv heads x head_dim {dim}" + (f" (values {vdim})" if vdim != dim else "")
+    return f"an MLA latent of kv_lora_rank {layout[1]} + rope {layout[2]}"
+
+
+def target_layer_slots(target) -> list[tuple[str, int]]:
+    """``(pool name, layer index in that pool)`` of each target decoder layer, as ``kv_pools`` bound them."""
+    try:
+        layers = list(target.model.layers)
+        slots = [(layer.self_attn.pool, int(layer.self_attn.layer_idx)) for layer in layers]
+    except AttributeError:
+        slots = None
+    if not slots or any(pool is None for pool, _ in slots):
+        raise ValueError(
+            f"KV sharing needs to know which pool layer holds each target layer's KV, and the target "
+            f"({type(target).__name__}) does not say (model.layers[i].self_attn.pool / layer_idx, bound by "
+            "kv_pools); set kv_sharing=false"
+        )
+    return slots
+
+
+def resolve_shared_layer(
+    target,
+    target_pools: Sequence[PagedPool],
+    draft,
+    *,
+    requested: int | None = None,
+    declared: int | None = None,
+) -> SharedLayer:
+    """The target layer the draft's layer 0 reads: ``requested`` (the speculative config's
+    ``kv_sharing_target_layer``), else ``declared`` (the draft config's, what it was trained with),
+    else the last target layer whose KV layout matches the draft's. Raises ValueError naming the
+    layouts when the chosen layer's differs, or when none matches."""
+    slots = target_layer_slots(target)
+    pools = {p.name: p for p in target_pools}
+    layouts = [pool_layout(pools[name]) if name in pools else None for name, _ in slots]
+    want = draft_layout(draft)
+    chosen, source = requested, "kv_sharing_target_layer"
+    if chosen is None:
+        chosen, source = declared, "the draft config's eagle_config.kv_sharing_target_layers"
+    if chosen is None:
+        matching = [i for i, layout in enumerate(layouts) if layout == want]
+        if not matching:
+            found = sorted({describe_layout(layout) for layout in layouts})
+            raise ValueError(
+                f"KV sharing: no target layer holds KV the draft can read: the draft's layer has "
+                f"{describe_layout(want)}, the target's layers have {'; '.join(found)}; set kv_sharing=false"
+            )
+        chosen = matching[-1]
+    elif not 0 <= chosen < len(slots):
+        raise ValueError(
+            f"KV sharing: {source} is {chosen} but the target has layers 0..{len(slots) - 1}; pick one of those"
+        )
+    elif layouts[chosen] != want:
+        matching = [i for i, layout in enumerate(layouts) if layout == want]
+        hint = f"layers with the draft's layout: {matching}" if matching else "no target layer has it; set kv_sharing=false"
+        raise ValueError(
+            f"KV sharing: target layer {chosen} ({source}) keeps {describe_layout(layouts[chosen])}, but the "
+            f"draft's layer has {describe_layout(want)}; the layouts must match ({hint})"
+        )
+    pool, pool_layer = slots[chosen]
+    return SharedLayer(draft_layer=0, target_layer=chosen, pool=pool, pool_layer=pool_layer)
+
+
+def prefix_metadata(
+    block_tables: torch.Tensor, prefix_lens: Sequence[int], query_lens: Sequence[int], block_size: int
+) -> AttentionMetadata:
+    """Non-causal metadata over each request's first ``prefix_lens[i]`` positions of a pool; writes nothing."""
+    num_tokens = sum(query_lens)
+    return AttentionMetadata.build(
+        query_lens=list(query_lens),
+        seq_lens=list(prefix_lens),
+        block_tables=block_tables,
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=block_tables.device),
+        block_size=block_size,
+        causal=False,
+    )
+
+
+@attrs.define
+class SharedKVContext(ForwardContext):
+    """A :class:`ForwardContext` in which some layers also attend over another pool's keys.
+
+    ``shared[(pool, layer)]`` names the extra source of the layer bound to ``(pool, layer)``: that
+    layer's new K/V (or latent) is written to its own pool and attended causally there as usual,
+    its queries also attend over the source without writing, and the two merge by LSE.
+    """
+
+    shared: dict[tuple[str, int], KVSource] = attrs.field(factory=dict)
+
+    def attend(self, pool, layer, q, k, v, *, scale, sliding_window=None):
+        source = self.shared.get((pool, layer))
+        if source is None:
+            return super().attend(pool, layer, q, k, v, scale=scale, sliding_window=sliding_window)
+        if sliding_window is not None:
+            raise ValueError("KV sharing does not support sliding-window draft attention")
+        kv = self.cache.pool(pool).layer(layer)
+        meta = self.metadata[pool]
+        self.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
+        own, own_lse = self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, return_lse=True)
+        src = self.cache.pool(source.pool).layer(source.layer)
+        shared, shared_lse = self.backend.attention(
+            q, src["k"], src["v"], source.metadata, scale=scale, return_lse=True
+        )
+        return merge_attention_states(shared, shared_lse, own, own_lse)
+
+    def attend_mla(self, pool, layer, q, latent, *, kv_lora_rank, scale):
+        source = self.shared.get((pool, layer))
+        if source is None:
+            return super().attend_mla(pool, layer, q, latent, kv_lora_rank=kv_lora_rank, scale=scale)
+        kv = self.cache.pool(pool).layer(layer)
+        meta = self.metadata[pool]
+        self.backend.write_kv(kv, {"latent": latent}, meta.slot_mapping)
+        own, own_lse = self.backend.mla_attention(
+            q, kv["latent"], meta, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True
+        )
+        src = self.cache.pool(source.pool).layer(source.layer)
+        shared, shared_lse = self.backend.mla_attention(
+            q, src["latent"], source.metadata, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True
+        )
+        return merge_attention_states(shared, shared_lse, own, own_lse)

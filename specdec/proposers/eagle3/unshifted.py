@@ -1,0 +1,212 @@
+"""The ``eagle3-unshifted`` proposer: EAGLE3 drafting with an unshifted prefill, optionally on the target's KV.
+
+Positions (FACTS.md section 4, vLLM PR #21008). The shifted draft puts (token ``p + 1``, target hidden
+``h_p``) at position ``p``; the unshifted one puts the same pair at position ``p + 1``, so draft
+token ``p`` sits at position ``p`` like the target's, plus one row at position 0: (token 0, a
+bootstrap hidden). A full prefill of ``N`` tokens runs ``N + 1`` draft rows, positions ``0..N``; a
+chunk of a prefill runs the target's own positions; drafting continues one position ahead of the
+shifted draft. The EAGLE3 machinery (fc fusion, chain drafting, catch-up from the target's true
+hidden states, d2t, sampled q) is :class:`~specdec.proposers.eagle3.proposer.Eagle3Proposer`'s, with
+its ``position_offset`` set to 1.
+
+Bootstrap hidden: a zero vector in the fused (post-``fc``) space. It is what this project's trainer
+feeds at position 0 (``specdec/train/eagle3.py``) and the only spelling drafts declare
+(``eagle_config.bootstrap_hidden: "zeros"``); no published checkpoint ships a learned one. Zero
+also makes the row's hidden half vanish after ``hidden_norm``, so position 0 is driven by its token
+alone. Any other declared value is refused rather than guessed. With KV sharing position 0 is a
+prompt position, so the bootstrap row is never run.
+
+KV sharing (``kv_sharing=true``, the default): the draft's layer reads a target layer's KV at the
+prompt positions ``[0, P)`` (``P`` = the prompt length) and computes its own KV only from position
+``P`` on, so its prefill is one row (token ``P``, hidden ``h_(P-1)``) and its pool holds no prompt
+pages: the request's draft-pool sequence starts at ``P`` (``PagedKVCache.set_start``). Decode-time
+draft KV is its own, recomputed from the target's hidden states after verification as in ``eagle3``.
+The target layer is ``kv_sharing_target_layer`` from the speculative config, else the draft
+config's ``eagle_config.kv_sharing_target_layers`` (``{"0": layer}``, what it was trained with),
+else the last target layer whose KV layout matches the draft's (MHA/GQA heads and dims, or MLA
+latent dims); a mismatch is refused. The draft's own KV lives in a pool of its own even for an MLA
+draft under an MLA target: its newest true-hidden row sits at the position the target has not
+cached yet, which the target's pool cannot keep between steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import attrs
+import torch
+
+from specdec.models.loader import read_config_json
+from specdec.proposers.base import Proposal, ProposerContext, StepFeedback
+from specdec.proposers.eagle3.kv_sharing import (
+    KVSource,
+    SharedKVContext,
+    SharedLayer,
+    prefix_metadata,
+    resolve_shared_layer,
+)
+from specdec.proposers.eagle3.proposer import Eagle3Proposer
+
+BOOTSTRAPS = ("zeros",)
+
+
+@attrs.frozen
+class UnshiftedDraftOptions:
+    """What a draft's ``config.json`` says about unshifted serving (all optional).
+
+    ``eagle_config.bootstrap_hidden``: ``"zeros"`` (the default); ``eagle_config.kv_sharing_target_layers``:
+    ``{"0": target_layer}``, the layer the draft was trained to read.
+    """
+
+    bootstrap: str = "zeros"
+    declared_target_layer: int | None = None
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> "UnshiftedDraftOptions":
+        eagle = raw.get("eagle_config") or {}
+        boot = eagle.get("bootstrap_hidden", "zeros")
+        if boot not in BOOTSTRAPS:
+            raise ValueError(
+                f"draft config: eagle_config.bootstrap_hidden is {boot!r}; supported: {list(BOOTSTRAPS)} "
+                "(the zero vector the draft sees at position 0)"
+            )
+        mapping = eagle.get("kv_sharing_target_layers")
+        layer = None
+        if mapping is not None:
+            if not isinstance(mapping, Mapping) or set(map(str, mapping)) != {"0"}:
+                raise ValueError(
+                    f"draft config: eagle_config.kv_sharing_target_layers must map the draft's one layer to a "
+                    f'target layer, {{"0": layer}}; got {mapping!r}'
+                )
+            layer = next(iter(mapping.values()))
+            if not (isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0):
+                raise ValueError(
+                    f"draft config: eagle_config.kv_sharing_target_layers gives target layer {layer!r}; "
+                    "it must be an int >= 0"
+                )
+        return cls(bootstrap=boot, declared_target_layer=layer)
+
+
+class UnshiftedEagle3Proposer(Eagle3Proposer):
+    """EAGLE3 with unshifted positions; ``kv_sharing`` makes the draft read the target's prompt KV.
+
+    ``kv_sharing_target_layer`` (with sharing only) picks the target layer; see the module docstring
+    for the default. ``attention_backend`` / ``block_size`` are the draft's, as for ``eagle3``.
+    """
+
+    position_offset = 1
+    methods = ("eagle3-unshifted",)
+
+    def __init__(
+        self,
+        model: str,
+        num_speculative_tokens: int,
+        *,
+        kv_sharing: bool = True,
+        kv_sharing_target_layer: int | None = None,
+        attention_backend: str | None = None,
+        block_size: int | None = None,
+    ):
+        super().__init__(
+            model,
+            num_speculative_tokens,
+            method="eagle3-unshifted",
+            attention_backend=attention_backend,
+            block_size=block_size,
+        )
+        if not isinstance(kv_sharing, bool):
+            raise ValueError(f"kv_sharing must be true or false, got {kv_sharing!r}")
+        if kv_sharing_target_layer is not None and not kv_sharing:
+            raise ValueError("kv_sharing_target_layer needs kv_sharing=true; drop it or turn sharing on")
+        self.kv_sharing = kv_sharing
+        self.kv_sharing_target_layer = kv_sharing_target_layer
+        self.shared_layer: SharedLayer | None = None
+        self._boot: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "UnshiftedEagle3Proposer":
+        return cls(
+            config.model,
+            config.num_speculative_tokens,
+            kv_sharing=True if config.kv_sharing is None else config.kv_sharing,
+            kv_sharing_target_layer=config.kv_sharing_target_layer,
+            attention_backend=config.attention_backend,
+            block_size=config.block_size,
+        )
+
+    # ----- setup -----
+    def setup(self, context: ProposerContext) -> None:
+        options = UnshiftedDraftOptions.from_config(read_config_json(self.model_path))
+        super().setup(context)
+        self._boot = torch.zeros(1, self.draft.hidden_size, dtype=self.draft.fc.weight.dtype, device=self.device)
+        if not self.kv_sharing:
+            return
+        requested, declared = self.kv_sharing_target_layer, options.declared_target_layer
+        if requested is not None and declared is not None and requested != declared:
+            warnings.warn(
+                f"kv_sharing_target_layer={requested} overrides the target layer {declared} the draft was trained "
+                "to read (eagle_config.kv_sharing_target_layers); expect lower acceptance",
+                stacklevel=2,
+            )
+        # The engine's page-size check (specdec.engine.compat) sees the read pool via target_pools_read.
+        self.shared_layer = resolve_shared_layer(
+            context.target, context.target_pools, self.draft, requested=requested, declared=declared
+        )
+
+    @property
+    def target_pools_read(self) -> tuple[str, ...]:
+        """Target pools the draft reads without writing (KV sharing), for the engine's page-size check."""
+        return (self.shared_layer.pool,) if self.shared_layer is not None else ()
+
+    def _shared_pool(self, draft, target_pools, backend):
+        return None  # always a pool of its own (see the module docstring)
+
+    def _bootstrap_hidden(self) -> torch.Tensor | None:
+        return self._boot
+
+    # ----- proposing -----
+    def propose(self, seqs: Sequence, max_drafts: Sequence[int]) -> Proposal:
+        if self.kv_sharing:
+            # Until the target has computed every prompt position, the draft's first own row (position
+            # P) has no hidden state; such a request (a prompt whose last token is still uncached)
+            # waits one plain step instead of drafting from a prompt position.
+            max_drafts = [m if seq.num_tokens > seq.num_prompt_tokens else 0 for seq, m in zip(seqs, max_drafts)]
+        return super().propose(seqs, max_drafts)
+
+    def _forward(self, requests, tokens, positions, hidden):
+        if not self.kv_sharing:
+            return super()._forward(requests, tokens, positions, hidden)
+        cache, shared = self.cache, self.shared_layer
+        meta = self._metadata(requests, positions)
+        target_pool = cache.pool(shared.pool)
+        source = KVSource(
+            shared.pool,
+            shared.pool_layer,
+            prefix_metadata(
+                cache.block_tables(requests, shared.pool).to(self.device),
+                [cache.sequence_start(r, self.pool) for r in requests],
+                [len(p) for p in positions],
+                target_pool.block_size,
+            ),
+        )
+        attn = self.draft.midlayer.self_attn
+        ctx = SharedKVContext(self.backend, cache, {self.pool: meta}, shared={(attn.pool, attn.layer_idx): source})
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
+        pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=self.device)
+        return self.draft(ids, pos, hidden, ctx)
+
+    # ----- feedback -----
+    def on_step(self, feedback: StepFeedback) -> None:
+        known = set(self._states)
+        super().on_step(feedback)
+        if not self.kv_sharing:
+            return
+        for seq in feedback.seqs:
+            state = self._states.get(seq.seq_id)
+            if state is None or seq.seq_id in known:
+                continue
+            # A new request: its own rows start at the prompt length; the prompt's KV is the target's.
+            prompt = seq.num_prompt_tokens
+            state.done = prompt - 1
+            self.cache.set_start(seq.seq_id, prompt, [self.pool])

@@ -121,7 +121,8 @@ def resolve_shared_layer(
         )
     elif layouts[chosen] != want:
         matching = [i for i, layout in enumerate(layouts) if layout == want]
-        hint = f"layers with the draft's layout: {matching}" if matching else "no target layer has it; set kv_sharing=false"
+        hint = (f"layers with the draft's layout: {matching}" if matching
+                else "no target layer has it; set kv_sharing=false")
         raise ValueError(
             f"KV sharing: target layer {chosen} ({source}) keeps {describe_layout(layouts[chosen])}, but the "
             f"draft's layer has {describe_layout(want)}; the layouts must match ({hint})"

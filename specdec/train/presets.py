@@ -178,30 +178,30 @@ _register(TargetPreset(
     config=_minimax_m3(hidden=384, layers=6, heads=6, kv_heads=2, head_dim=64, rotary_dim=32,
                        dense_inter=1024, expert_inter=256, experts=4, top_k=2, dense_layers=1, topk_blocks=8),
     seq_len=512, batch_size=8, steps=1600, quick_steps=160, lr=2e-3,
-    description="MiniMax-M3-shaped target (~14M params): block-sparse layers over 128-token pages "
+    description="MiniMax-M3-shaped target (14.4M params): block-sparse layers over 128-token pages "
     "(8 blocks attended, so prompts up to 1024 tokens see everything), MoE 4 experts top-2 + shared",
 ))
 _register(TargetPreset(
     name="kimi-k2-tiny",
     model_type="deepseek_v3",
     config=_kimi_k2(hidden=256, layers=4, heads=4, q_lora=96, kv_lora=64, nope=32, rope=16, v_dim=32,
-                    dense_inter=768, expert_inter=128, experts=8, top_k=2),
-    seq_len=512, batch_size=8, steps=1600, quick_steps=160, lr=2e-3,
+                    dense_inter=512, expert_inter=96, experts=8, top_k=2),
+    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=2e-3,
     description="Kimi-K2-shaped deepseek_v3 target: MLA (q_lora 96, kv_lora 64, rope 16), first layer "
     "dense, 8 sigmoid-routed experts top-2 + 1 shared",
 ))
 _register(TargetPreset(
     name="llama-tiny",
     model_type="llama",
-    config=_llama(hidden=256, layers=4, heads=4, kv_heads=2, inter=768, tied=True),
-    seq_len=512, batch_size=8, steps=1600, quick_steps=160, lr=2e-3,
+    config=_llama(hidden=256, layers=4, heads=4, kv_heads=2, inter=512, tied=True),
+    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=2e-3,
     description="Llama-shaped target with GQA and tied embeddings",
 ))
 _register(TargetPreset(
     name="draft-model-tiny",
     model_type="llama",
     config=_llama(hidden=128, layers=2, heads=2, kv_heads=1, inter=384, tied=True),
-    seq_len=512, batch_size=8, steps=1600, quick_steps=160, lr=3e-3,
+    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=3e-3,
     description="Independent small LM for the draft_model proposer (same tokenizer as the targets)",
 ))
 

@@ -241,14 +241,17 @@ def measure_throughput(preset: TargetPreset | str, steps: int = 3, threads: int 
         optimizer.zero_grad(set_to_none=True)
         if i > 0:
             times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
+    # The fastest step estimates the uncontended cost (the 2 CPU cores are shared); the median shows contention.
+    step_s = min(times)
+    median_s = sorted(times)[len(times) // 2]
     return {
         "preset": preset.name,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
         "compiled": compile,
         "tokens_per_step": preset.tokens_per_step,
-        "median_step_s": round(step_s, 3),
+        "best_step_s": round(step_s, 3),
+        "median_step_s": round(median_s, 3),
         "tokens_per_second": round(preset.tokens_per_step / step_s, 1),
         "full_run_minutes": round(preset.steps * step_s / 60, 1),
         "quick_run_minutes": round(preset.quick_steps * step_s / 60, 1),

@@ -157,3 +157,13 @@ def test_cli_lists_presets_and_reports_errors(capsys, tmp_path):
     assert train_main(["target", "--preset", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "unknown preset" in err
+
+
+def test_throughput_measurement_runs_on_a_test_preset():
+    from specdec.train.eagle3 import measure_draft_throughput
+    from specdec.train.target import measure_throughput
+
+    target = measure_throughput("test-llama", steps=1, vocab_size=256)
+    assert target["tokens_per_second"] > 0 and target["best_step_s"] <= target["median_step_s"]
+    draft = measure_draft_throughput("test-eagle3", "test-llama", steps=1, vocab_size=256)
+    assert draft["tokens_per_second"] > 0 and draft["ttt_steps"] == 3

@@ -39,6 +39,14 @@ def windows(stream: torch.Tensor, length: int) -> torch.Tensor:
     return stream[: count * length].view(count, length)
 
 
+def spread_windows(data: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` windows evenly spaced over ``data [N, T]`` (all of them when ``N <= count``), for evaluation
+    sets that sample every part of the split rather than its first documents."""
+    if data.shape[0] <= count:
+        return data
+    return data[torch.linspace(0, data.shape[0] - 1, count).round().long()]
+
+
 class WindowBatches:
     """Endless seeded batches of training windows: a fresh permutation every epoch.
 
@@ -47,12 +55,22 @@ class WindowBatches:
     """
 
     def __init__(self, stream: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        self._init(windows(stream, seq_len + 1), batch_size, seed)
+
+    @classmethod
+    def from_windows(cls, data: torch.Tensor, batch_size: int, seed: int) -> "WindowBatches":
+        """Batches of ready-made windows ``[N, T]`` (e.g. text the target generated)."""
+        self = cls.__new__(cls)
+        self._init(data, batch_size, seed)
+        return self
+
+    def _init(self, data: torch.Tensor, batch_size: int, seed: int) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.data = windows(stream, seq_len + 1)
+        self.data = data
         if self.data.shape[0] < batch_size:
             raise ValueError(
-                f"only {self.data.shape[0]} windows of {seq_len + 1} tokens for batch_size {batch_size}; "
+                f"only {self.data.shape[0]} windows of {self.data.shape[1]} tokens for batch_size {batch_size}; "
                 "lower batch_size or seq_len"
             )
         self.batch_size = batch_size

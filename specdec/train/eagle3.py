@@ -41,7 +41,7 @@ from specdec.models.base import default_aux_layer_ids
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3Head
 from specdec.train.corpus import CorpusConfig, corpus_fingerprint, load_documents
-from specdec.train.data import WindowBatches, tokenize_documents, windows
+from specdec.train.data import WindowBatches, spread_windows, tokenize_documents, windows
 from specdec.train.schedule import adamw, cosine_lr, set_lr
 from specdec.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 from specdec.train.ttt import TTTContext
@@ -75,6 +75,13 @@ class DraftPreset:
     unshifted: bool = False
     kv_sharing: bool = False  # unshifted only: attend over a target layer's KV at prompt positions
     kv_sharing_layer: int | None = None  # None: the last target layer whose KV layout matches
+    # Self-distillation: windows of text the target itself generates (greedy, from corpus prompts of
+    # prompt_len tokens), a generated_fraction of every batch. Serving drafts the target's own text,
+    # which corpus windows alone do not show the draft.
+    generated_windows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    generated_fraction: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    prompt_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    generation_batch: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     ttt_steps: int = attrs.field(default=5, validator=attrs.validators.ge(1))
     step_decay: float = attrs.field(default=0.8, validator=attrs.validators.gt(0.0))
     seq_len: int = attrs.field(default=512, validator=attrs.validators.ge(8))
@@ -102,10 +109,25 @@ class DraftPreset:
             raise ValueError(f"draft preset {self.name!r}: kv_sharing_layer given without kv_sharing=True")
         if self.quick_steps > self.steps:
             raise ValueError(f"draft preset {self.name!r}: quick_steps ({self.quick_steps}) exceeds steps ({self.steps})")
+        if self.prompt_len is not None and self.prompt_len >= self.seq_len:
+            raise ValueError(f"draft preset {self.name!r}: prompt_len ({self.prompt_len}) must be below seq_len "
+                             f"({self.seq_len}) so generated windows have a continuation")
 
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.batch_size
+
+    @property
+    def generation_prompt_len(self) -> int:
+        """Corpus tokens each generated window starts from (default: an eighth of the window)."""
+        return self.prompt_len if self.prompt_len is not None else max(1, self.seq_len // 8)
+
+    @property
+    def generated_per_batch(self) -> int:
+        """How many windows of each batch are target-generated text."""
+        if self.generated_windows == 0:
+            return 0
+        return max(1, min(self.batch_size, round(self.batch_size * self.generated_fraction)))
 
 
 # ----------------------------------------------------------------------------- target
@@ -154,6 +176,27 @@ class HFTarget:
             layer = cache.layers[kv_layer]
             kv = (layer.keys.to(work), layer.values.to(work))
         return aux, out.logits.to(work), kv
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, total_len: int, batch_size: int, progress: bool = False,
+                 desc: str = "generate") -> torch.Tensor:
+        """Greedy continuations of ``prompts [N, P]`` to ``total_len`` tokens each (never stopping early)."""
+        new = total_len - prompts.shape[1]
+        if new <= 0:
+            raise ValueError(f"total_len ({total_len}) must exceed the prompt length ({prompts.shape[1]})")
+        out = []
+        bar = tqdm(total=prompts.shape[0], desc=desc, disable=not progress, dynamic_ncols=True)
+        for start in range(0, prompts.shape[0], batch_size):
+            chunk = prompts[start : start + batch_size]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                # eos_token_id=None with min_new_tokens: every window is full length, EOS included as text.
+                seqs = self.model.generate(chunk, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                           eos_token_id=None, pad_token_id=PAD_ID,
+                                           attention_mask=torch.ones_like(chunk))
+            out.append(seqs[:, :total_len])
+            bar.update(chunk.shape[0])
+        bar.close()
+        return torch.cat(out)
 
     def layer_kv_layout(self) -> list[tuple[int, int] | None]:
         """``(kv_heads, head_dim)`` of each layer's cached K/V (None where it is not plain MHA/GQA)."""
@@ -318,11 +361,12 @@ class TTTOutput:
     step_correct: list[int]  # draft argmax == target argmax, per step, over scored positions
     step_scored: list[int]
     step_log_probs: list[torch.Tensor] | None = None  # [B, S, draft_vocab] per step, when asked for
+    step_hits: list[torch.Tensor] | None = None  # [B, S] bool per step: draft argmax == target argmax
 
 
 def ttt_forward(draft: Eagle3Head, target: HFTarget, batch: torch.Tensor, preset: DraftPreset, vocab: DraftVocab,
                 kv_layer: int | None, split: torch.Tensor | None, autocast: bool,
-                keep_log_probs: bool = False) -> TTTOutput:
+                keep_log_probs: bool = False, keep_hits: bool = False) -> TTTOutput:
     """The unrolled training-time-test loss of one batch of windows ``[B, S]`` (see the module docstring)."""
     B, S = batch.shape
     aux, logits, kv = target.run(batch, draft.aux_layer_ids, kv_layer)
@@ -339,7 +383,7 @@ def ttt_forward(draft: Eagle3Head, target: HFTarget, batch: torch.Tensor, preset
             hidden = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
         hidden = hidden.flatten(0, 1)
         total = torch.zeros((), dtype=aux.dtype)
-        step_losses, step_correct, step_scored, kept = [], [], [], []
+        step_losses, step_correct, step_scored, kept, hits = [], [], [], [], []
         for j in range(preset.ttt_steps):
             read = index + offset + j  # the token read, and the target position whose distribution is learnt
             valid = (read < S)[None, :].expand(B, S)
@@ -360,12 +404,16 @@ def ttt_forward(draft: Eagle3Head, target: HFTarget, batch: torch.Tensor, preset
             total = total + preset.step_decay**j * loss_j
             with torch.no_grad():
                 guess = draft_ids[log_q.argmax(-1)]
-                correct = int(((guess == target_top[:, read]) & valid).sum())
+                hit = (guess == target_top[:, read]) & valid
+                correct = int(hit.sum())
+                if keep_hits:
+                    hits.append(hit)
             step_losses.append(float(loss_j.detach()))
             step_correct.append(correct)
             step_scored.append(scored)
             ctx.next_step()
-    return TTTOutput(total, step_losses, step_correct, step_scored, kept if keep_log_probs else None)
+    return TTTOutput(total, step_losses, step_correct, step_scored, kept if keep_log_probs else None,
+                     hits if keep_hits else None)
 
 
 def _random_splits(generator: torch.Generator, batch: int, seq: int, enabled: bool) -> torch.Tensor | None:
@@ -417,30 +465,80 @@ class DraftTrainResult:
     output_dir: Path
     steps: int
     train_losses: list[float]
-    val_accuracy: list[tuple[int, list[float]]]  # (step, per-TTT-step top-1 agreement with the target)
+    val_accuracy: list[tuple[int, list[float]]]  # (step, per-TTT-step top-1 agreement on corpus windows)
+    # (step, greedy acceptance per position at k=3, replayed on the target's own greedy text)
+    val_acceptance: list[tuple[int, list[float]]]
     tokens_per_second: float
     num_parameters: int  # trainable (saved) parameters
 
 
+@attrs.frozen
+class DraftEval:
+    agreement: list[float]  # per step: draft argmax == target argmax (teacher-forced)
+    acceptance: list[float]  # per position < k: greedy acceptance replayed at the engine's anchors
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + sum(self.acceptance)
+
+
+def replay_greedy_acceptance(hits: list[torch.Tensor], first_anchor: int, k: int, offset: int) -> tuple[list[int], int]:
+    """Greedy speculation replayed over teacher-forced hits ``[B, S]`` per step, as the engine steps.
+
+    From anchor ``first_anchor`` each engine step drafts ``k`` tokens, accepts the leading hits ``n``
+    and moves the anchor by ``n + 1``. On text the target generated greedily this is exactly what
+    serving does (the drafts it accepts are the tokens the windows hold). Returns per-position
+    accepted counts and the number of drafting steps (vLLM's ``accepted_per_position`` and
+    ``num_drafts``). Uniform averaging over anchors would overstate acceptance: the engine skips
+    quickly through easy stretches and lingers in hard ones.
+    """
+    batch, seq = hits[0].shape
+    stacked = torch.stack(hits[:k], dim=-1).tolist()  # [B][S][k]
+    accepted, drafts = [0] * k, 0
+    for row in stacked:
+        anchor = first_anchor
+        while anchor + offset + k - 1 < seq:
+            n = 0
+            while n < k and row[anchor][n]:
+                n += 1
+            for j in range(n):
+                accepted[j] += 1
+            drafts += 1
+            anchor += n + 1
+    return accepted, drafts
+
+
 @torch.no_grad()
 def evaluate_draft(draft, target, val: torch.Tensor, preset: DraftPreset, vocab: DraftVocab, kv_layer,
-                   autocast: bool) -> list[float]:
-    """Per-step top-1 agreement (draft argmax == target argmax) on fixed validation windows.
+                   autocast: bool, prompt_len: int | None = None, k: int = 3) -> DraftEval:
+    """Per-step agreement on fixed validation windows, and greedy acceptance at ``k`` drafts per step.
 
-    The KV-sharing draft is scored with its prompt (shared) part set to the first half of each window.
+    On windows the target generated greedily after ``prompt_len`` corpus tokens, ``acceptance[j]``
+    is vLLM's acceptance at position ``j`` for greedy speculation over that text (see
+    :func:`replay_greedy_acceptance`). The KV-sharing draft shares ``prompt_len`` tokens (default:
+    half of each window).
     """
     draft.eval()
-    correct = [0] * preset.ttt_steps
-    scored = [0] * preset.ttt_steps
+    steps = preset.ttt_steps
+    k = min(k, steps)
+    correct, scored = [0] * steps, [0] * steps
+    accepted, drafts = [0] * k, 0
+    shared = prompt_len if prompt_len is not None else preset.seq_len // 2
+    offset = 0 if preset.unshifted else 1
+    # Serving's first anchor after a prompt of P tokens: row P - 1 (shifted) or P (unshifted).
+    first_anchor = shared - offset if prompt_len is not None else 0
     for start in range(0, val.shape[0], preset.batch_size):
         chunk = val[start : start + preset.batch_size]
-        split = torch.full((chunk.shape[0],), preset.seq_len // 2) if kv_layer is not None else None
-        out = ttt_forward(draft, target, chunk, preset, vocab, kv_layer, split, autocast)
-        for j in range(preset.ttt_steps):
+        split = torch.full((chunk.shape[0],), shared) if kv_layer is not None else None
+        out = ttt_forward(draft, target, chunk, preset, vocab, kv_layer, split, autocast, keep_hits=True)
+        for j in range(steps):
             correct[j] += out.step_correct[j]
             scored[j] += out.step_scored[j]
+        acc, n = replay_greedy_acceptance(out.step_hits, max(first_anchor, 0), k, offset)
+        accepted = [a + b for a, b in zip(accepted, acc)]
+        drafts += n
     draft.train()
-    return [c / max(s, 1) for c, s in zip(correct, scored)]
+    return DraftEval([c / max(s, 1) for c, s in zip(correct, scored)], [a / max(drafts, 1) for a in accepted])
 
 
 def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
@@ -456,7 +554,7 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
     train_docs = load_documents("train", config.corpus)
     val_docs = load_documents("validation", config.corpus)
     train_stream = tokenize_documents(tokenizer, train_docs)
-    val_windows = windows(tokenize_documents(tokenizer, val_docs), preset.seq_len)[: config.eval_windows]
+    val_windows = spread_windows(windows(tokenize_documents(tokenizer, val_docs), preset.seq_len), config.eval_windows)
 
     vocab = frequency_vocab(train_stream, target.vocab_size, preset.draft_vocab_size, always=(EOS_ID,))
     aux_ids = resolve_aux_layer_ids(preset, target)
@@ -468,19 +566,42 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
         kv_layer = resolve_kv_sharing_layer(preset, target, attn.num_kv_heads, attn.head_dim)
         draft_cfg = draft_config_dict(preset, target, vocab, aux_ids, kv_layer=kv_layer)
 
-    batches = iter(WindowBatches(train_stream, preset.seq_len - 1, preset.batch_size, seed=config.seed))
+    # The target's own greedy text: validation windows always (the acceptance estimate), training
+    # windows when the preset asks for them.
+    val_prompts = val_windows[:, : preset.generation_prompt_len]
+    val_generated = target.generate(val_prompts, preset.seq_len, preset.generation_batch, config.progress,
+                                    desc="generate val")
+    n_gen = preset.generated_per_batch
+    corpus_batches = iter(WindowBatches(train_stream, preset.seq_len - 1, preset.batch_size - n_gen,
+                                        seed=config.seed)) if n_gen < preset.batch_size else None
+    generated_batches = None
+    if n_gen:
+        pool = windows(train_stream, preset.seq_len)
+        pick = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(config.seed + 2))
+        # --quick scales generation down with the steps.
+        count = max(n_gen, preset.generated_windows // 10) if config.quick else preset.generated_windows
+        prompts = pool[pick[:count], : preset.generation_prompt_len]
+        generated = target.generate(prompts, preset.seq_len, preset.generation_batch, config.progress,
+                                    desc="generate train")
+        generated_batches = iter(WindowBatches.from_windows(generated, n_gen, seed=config.seed + 3))
+
+    def next_batch() -> torch.Tensor:
+        parts = [next(it) for it in (generated_batches, corpus_batches) if it is not None]
+        return torch.cat(parts)
+
     split_gen = torch.Generator().manual_seed(config.seed + 1)
     optimizer = adamw(draft, preset.lr, preset.weight_decay)
     total = config.total_steps
     train_losses: list[float] = []
     val_accuracy: list[tuple[int, list[float]]] = []
+    val_acceptance: list[tuple[int, list[float]]] = []
     bar = tqdm(total=total, desc=f"draft {preset.name}", disable=not config.progress, dynamic_ncols=True)
     start = time.perf_counter()
     smoothed = None
     for step in range(total):
         set_lr(optimizer, cosine_lr(step, total=total, peak=preset.lr, warmup=preset.warmup_steps,
                                     min_ratio=preset.min_lr_ratio))
-        batch = next(batches)
+        batch = next_batch()
         split = _random_splits(split_gen, batch.shape[0], batch.shape[1], kv_layer is not None)
         out = ttt_forward(draft, target, batch, preset, vocab, kv_layer, split, config.autocast)
         if not torch.isfinite(out.loss):
@@ -493,14 +614,17 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
         train_losses.append(value)
         smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
         if (step + 1) % config.eval_every == 0 or step + 1 == total:
-            val_accuracy.append((step + 1, evaluate_draft(draft, target, val_windows, preset, vocab, kv_layer,
-                                                          config.autocast)))
+            corpus_eval = evaluate_draft(draft, target, val_windows, preset, vocab, kv_layer, config.autocast)
+            own_eval = evaluate_draft(draft, target, val_generated, preset, vocab, kv_layer, config.autocast,
+                                      prompt_len=preset.generation_prompt_len)
+            val_accuracy.append((step + 1, corpus_eval.agreement))
+            val_acceptance.append((step + 1, own_eval.acceptance))
         elapsed = time.perf_counter() - start
         acc = [c / max(s, 1) for c, s in zip(out.step_correct, out.step_scored)]
         postfix = {"loss": f"{smoothed:.3f}", "acc": "/".join(f"{a:.2f}" for a in acc[:4]),
                    "tok/s": f"{(step + 1) * preset.tokens_per_step / elapsed:.0f}"}
-        if val_accuracy:
-            postfix["val"] = "/".join(f"{a:.2f}" for a in val_accuracy[-1][1][:4])
+        if val_acceptance:
+            postfix["accept"] = "/".join(f"{a:.2f}" for a in val_acceptance[-1][1][:3])
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
     bar.close()
@@ -519,14 +643,17 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
         "draft_vocab_size": vocab.size,
         "draft_vocab_coverage": _coverage(train_stream, vocab),
         "final_train_loss": sum(train_losses[-20:]) / len(train_losses[-20:]),
+        "generated_windows": 0 if generated_batches is None else int(generated.shape[0]),
         "val_top1_agreement_per_step": val_accuracy,
+        "val_greedy_acceptance_per_position": val_acceptance,
+        "val_mean_acceptance_length_k3": 1.0 + sum(val_acceptance[-1][1]) if val_acceptance else None,
         "num_parameters": trainable,
         "corpus_fingerprint": corpus_fingerprint(train_docs),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
     save_draft(draft, draft_cfg, vocab, config.output_dir, metadata)
-    return DraftTrainResult(Path(config.output_dir), total, train_losses, val_accuracy,
+    return DraftTrainResult(Path(config.output_dir), total, train_losses, val_accuracy, val_acceptance,
                             total * preset.tokens_per_step / elapsed, trainable)
 
 
@@ -584,29 +711,34 @@ def get_draft_preset(name: str) -> DraftPreset:
 _register(DraftPreset(
     name="minimax-m3-tiny-eagle3", attention="mha", intermediate_size=512, draft_vocab_size=3072,
     aux_layer_ids=(1, 3, 5),
+    generated_windows=512,
     description="EAGLE3 head for minimax-m3-tiny: GQA layer, reduced vocabulary (d2t), target's lm_head rows",
 ))
 _register(DraftPreset(
     name="kimi-k2-tiny-eagle3.1-mla", attention="mla", intermediate_size=384, draft_vocab_size=3072, eagle31=True,
     aux_layer_ids=(1, 2, 3),
     steps=400, quick_steps=40,
+    generated_windows=512,
     description="EAGLE3.1 MLA head for kimi-k2-tiny (fc_norm + norm_output), lives in the target's MLA pool",
 ))
 _register(DraftPreset(
     name="kimi-k2-tiny-eagle3", attention="mha", intermediate_size=384, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, draft_vocab_size=1024, own_lm_head=True, aux_layer_ids=(1, 2, 3),
     steps=400, quick_steps=40,
+    generated_windows=512,
     description="MHA EAGLE3 head for kimi-k2-tiny with its own 1024-token lm_head (needs its own KV pool)",
 ))
 _register(DraftPreset(
     name="llama-tiny-eagle3", attention="mha", intermediate_size=384, aux_layer_ids=(1, 2, 3),
     steps=400, quick_steps=40,
+    generated_windows=512,
     description="EAGLE3 head for llama-tiny over the whole vocabulary (no d2t)",
 ))
 _register(DraftPreset(
     name="llama-tiny-eagle3-unshifted", attention="mha", intermediate_size=384, aux_layer_ids=(1, 2, 3),
     unshifted=True, kv_sharing=True,
     steps=400, quick_steps=40,
+    generated_windows=512,
     description="Unshifted EAGLE3 head for llama-tiny that reads the last target layer's KV at prompt positions",
 ))
 for _name, _kw in (

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from specdec.train.balance import RouterBalancer
 from specdec.train.corpus import CorpusConfig, corpus_fingerprint, load_documents
-from specdec.train.data import WindowBatches, tokenize_documents, windows
+from specdec.train.data import WindowBatches, spread_windows, tokenize_documents, windows
 from specdec.train.presets import TargetPreset, get_preset
 from specdec.train.schedule import adamw, cosine_lr, set_lr
 from specdec.train.tokenizer import (
@@ -120,7 +120,8 @@ def train_target(config: TargetTrainConfig) -> TrainResult:
     val_docs = load_documents("validation", config.corpus)
     tokenizer = prepare_tokenizer(config, train_docs)
     train_stream = tokenize_documents(tokenizer, train_docs)
-    val_windows = windows(tokenize_documents(tokenizer, val_docs), preset.seq_len + 1)[: config.eval_windows]
+    val_windows = spread_windows(windows(tokenize_documents(tokenizer, val_docs), preset.seq_len + 1),
+                                 config.eval_windows)
 
     _seed_everything(config.seed)
     model = preset.build_model(len(tokenizer))

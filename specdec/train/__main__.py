@@ -66,9 +66,12 @@ def _cmd_draft(args) -> int:
     )
     result = train_draft(config)
     agreement = "/".join(f"{a:.2f}" for a in result.val_accuracy[-1][1]) if result.val_accuracy else "-"
+    accept = result.val_acceptance[-1][1] if result.val_acceptance else []
     print(
         f"saved {args.preset} ({result.num_parameters / 1e6:.2f}M params) to {result.output_dir}: "
-        f"{result.steps} steps, val top-1 agreement per step {agreement}, {result.tokens_per_second:.0f} tok/s"
+        f"{result.steps} steps, val top-1 agreement per step {agreement}; greedy k=3 acceptance on the target's "
+        f"own text {'/'.join(f'{a:.2f}' for a in accept)} (mean length {1 + sum(accept):.2f}), "
+        f"{result.tokens_per_second:.0f} tok/s"
     )
     return 0
 

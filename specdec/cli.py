@@ -1,4 +1,4 @@
-"""The ``specdec`` command line: ``specdec generate ...``.
+"""The ``specdec`` command line: ``specdec generate ...`` and ``specdec bench ...``.
 
 Errors (bad arguments, missing folders, unknown names, requests that cannot fit) exit with status
 2 and one ``error:`` line on stderr, never a traceback.
@@ -113,7 +113,58 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON object with outputs and spec_stats")
     out.add_argument("--trace", action="store_true",
                      help="also report, per step and request with drafts, the drafts, accepted count and emitted tokens")
+    _add_bench_parser(sub)
     return parser
+
+
+_BENCH_EPILOG = """\
+examples:
+  specdec bench --model ./tiny --input-len 32 --output-len 32 --num-prompts 16 --concurrency 4 \\
+      --speculative-config eagle3:model=./tiny-eagle3,num_speculative_tokens=3
+  specdec bench --model ./tiny --dataset prompts.jsonl --concurrency 8 --json
+
+the baseline (no speculation) always runs first, on the same prompts (every request ignores EOS, so
+both runs generate the same number of tokens). Metrics are vLLM benchmark_serving's: TTFT = first
+token - arrival, TPOT = (e2e - TTFT) / (output_len - 1), ITL = gaps between emissions (one gap per
+step, however many tokens speculation emitted in it).
+"""
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="offline serving benchmark, with and without speculation",
+        description="Serve a prompt set at a fixed concurrency without and with speculation; print vLLM-style "
+        "serving metrics (Req/s, tok/s, TTFT, TPOT, ITL), their deltas and the acceptance per position.",
+        epilog=_BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = bench.add_argument_group("model and engine")
+    model.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + *.safetensors)")
+    model.add_argument("--speculative-config", metavar="STR",
+                       help="the spec run's config, 'method:key=value,...' or JSON (default: baseline only)")
+    model.add_argument("--attention-backend", default="torch", metavar="NAME", help="torch | triton | aiter (default: torch)")
+    model.add_argument("--dtype", default="auto", metavar="NAME",
+                       help="auto | float32 | float64 | bfloat16 | float16 (default: auto)")
+    model.add_argument("--block-size", type=int, metavar="N", help="target KV page size (default: the model's/backend's)")
+    model.add_argument("--kv-cache-memory", type=_byte_size, metavar="BYTES", help="bytes for all KV pools, e.g. 64M")
+    model.add_argument("--max-model-len", type=int, metavar="N",
+                       help="prompt + output tokens per request (default: longest prompt + --output-len)")
+    model.add_argument("--max-num-seqs", type=int, metavar="N", help="engine's running requests (default: --concurrency)")
+
+    work = bench.add_argument_group("workload")
+    work.add_argument("--dataset", metavar="FILE.jsonl",
+                      help='prompts, one {"prompt": str} or {"prompt_token_ids": [...]} a line (default: synthetic)')
+    work.add_argument("--num-prompts", type=int, metavar="N",
+                      help="prompts to run (default: 16 synthetic, or the whole dataset)")
+    work.add_argument("--input-len", type=int, default=64, metavar="N", help="synthetic prompt length (default: 64)")
+    work.add_argument("--output-len", type=int, default=64, metavar="N", help="tokens generated per request (default: 64)")
+    work.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default: 4)")
+    work.add_argument("--warmup", type=int, default=1, metavar="N", help="uncounted requests run first (default: 1)")
+    work.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    work.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the prompts and sampling (default: 0)")
+
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -163,6 +214,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from specdec.bench import BenchConfig, format_table, progress_to_stderr, run_benchmark
+
+    config = BenchConfig(
+        model=args.model,
+        speculative_config=args.speculative_config,
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        dataset=args.dataset,
+        concurrency=args.concurrency,
+        warmup=args.warmup,
+        seed=args.seed,
+        temperature=args.temperature,
+    )
+    result = run_benchmark(config, progress=progress_to_stderr)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -170,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
+        if args.command == "bench":
+            return _bench(args)
         return _generate(args)
     except _UsageError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", metavar="DIR", help=f"target checkpoint (default: the zoo's {TARGET_ASSET})")
     parser.add_argument("--draft", metavar="DIR", help=f"EAGLE3 draft checkpoint (default: the zoo's {DRAFT_ASSET})")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per step (default: 3)")
-    parser.add_argument("--attention-backend", default="torch", metavar="NAME", help="torch | triton | aiter (default: torch)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                        help="drafts per step (default: 3)")
+    parser.add_argument("--attention-backend", default="torch", metavar="NAME",
+                        help="torch | triton | aiter (default: torch)")
     parser.add_argument("--block-size", type=int, default=128, metavar="N", help="target KV page size (default: 128)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="only 1 is supported so far")
     parser.add_argument("--max-tokens", type=int, default=48, metavar="N", help="tokens per prompt (default: 48)")

@@ -202,8 +202,10 @@ class RequestRecord:
         n = self.output_len
         return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, origin: float = 0.0) -> dict[str, Any]:
+        """JSON-ready; ``arrival_s`` counts from ``origin`` (the run's start)."""
         return {
+            "arrival_s": self.arrival - origin,
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
             "ttft_ms": self.ttft * 1e3,
@@ -216,11 +218,11 @@ class RequestRecord:
 
 def serve(
     engine, prompts: Sequence[Sequence[int]], params, concurrency: int, clock: Callable[[], float] = time.perf_counter
-) -> tuple[list[RequestRecord], float, list[list[int]]]:
+) -> tuple[list[RequestRecord], float, float, list[list[int]]]:
     """Run ``prompts`` through ``engine`` with at most ``concurrency`` in flight.
 
-    Returns the records (input order), the duration (first hand-over to last token) and the
-    output token ids. Every request is validated before the clock starts (as
+    Returns the records (input order), the start time, the duration (first hand-over to last
+    token) and the output token ids. Every request is validated before the clock starts (as
     ``LLMEngine.generate`` does), so a prompt that can never run fails before any work.
     """
     seqs = [engine.make_sequence(p, params, index=i) for i, p in enumerate(prompts)]
@@ -245,7 +247,7 @@ def serve(
             if seq.is_finished:
                 del seen[i]
     duration = clock() - start
-    return records, duration, [seq.output_token_ids for seq in seqs]  # type: ignore[return-value]
+    return records, start, duration, [seq.output_token_ids for seq in seqs]  # type: ignore[return-value]
 
 
 def _stats(name: str, seconds: Sequence[float]) -> dict[str, float]:
@@ -352,11 +354,11 @@ def _run(config: BenchConfig, spec, prompts, max_model_len: int, progress) -> di
         serve(engine, warm, params, config.concurrency)
         llm.reset_spec_stats()
     progress(f"{len(prompts)} requests at concurrency {config.concurrency}")
-    records, duration, outputs = serve(engine, prompts, params, config.concurrency)
+    records, start, duration, outputs = serve(engine, prompts, params, config.concurrency)
     result = summarize(records, duration)
     stats = llm.spec_stats()
     result["spec_stats"] = stats.as_dict() if stats is not None else None
-    result["requests"] = [r.as_dict() for r in records]
+    result["requests"] = [r.as_dict(start) for r in records]
     result["_outputs"] = outputs
     del llm, engine
     gc.collect()  # the next run's model and cache should not sit next to this one's
@@ -367,7 +369,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     """Run the baseline (and the spec run when ``config.speculative_config`` is set); one JSON-ready dict.
 
     Keys: ``settings``; ``baseline`` and ``speculative`` (None without a config): the metrics of
-    :func:`summarize` plus ``spec_stats`` and ``requests`` (per request: ``prompt_len``,
+    :func:`summarize` plus ``spec_stats`` and ``requests`` (per request: ``arrival_s``, ``prompt_len``,
     ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
     ``deltas`` (see :func:`deltas`); ``identical_outputs``: how many requests produced the same
     tokens in both runs (all of them, greedy in float64; lower precisions may differ by rounding).
@@ -459,7 +461,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"prompts: {s['num_prompts']} ({'dataset ' + s['dataset'] if s['dataset'] else 'synthetic'})  "
         f"warm-up: {s['warmup']}",
     ]
-    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    for row in rows:  # the label left-aligned, numbers right-aligned
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     lines.append(
         "duration (s): " + ", ".join(f"{label} {run['duration_s']:.2f}" for label, run, _ in runs)
         + "; ITL counts one gap per emission (a speculative step emits several tokens at once), as vLLM does"

@@ -143,14 +143,17 @@ def _add_bench_parser(sub) -> None:
     model.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + *.safetensors)")
     model.add_argument("--speculative-config", metavar="STR",
                        help="the spec run's config, 'method:key=value,...' or JSON (default: baseline only)")
-    model.add_argument("--attention-backend", default="torch", metavar="NAME", help="torch | triton | aiter (default: torch)")
+    model.add_argument("--attention-backend", default="torch", metavar="NAME",
+                       help="torch | triton | aiter (default: torch)")
     model.add_argument("--dtype", default="auto", metavar="NAME",
                        help="auto | float32 | float64 | bfloat16 | float16 (default: auto)")
-    model.add_argument("--block-size", type=int, metavar="N", help="target KV page size (default: the model's/backend's)")
+    model.add_argument("--block-size", type=int, metavar="N",
+                       help="target KV page size (default: the model's/backend's)")
     model.add_argument("--kv-cache-memory", type=_byte_size, metavar="BYTES", help="bytes for all KV pools, e.g. 64M")
     model.add_argument("--max-model-len", type=int, metavar="N",
                        help="prompt + output tokens per request (default: longest prompt + --output-len)")
-    model.add_argument("--max-num-seqs", type=int, metavar="N", help="engine's running requests (default: --concurrency)")
+    model.add_argument("--max-num-seqs", type=int, metavar="N",
+                       help="engine's running requests (default: --concurrency)")
 
     work = bench.add_argument_group("workload")
     work.add_argument("--dataset", metavar="FILE.jsonl",
@@ -158,7 +161,8 @@ def _add_bench_parser(sub) -> None:
     work.add_argument("--num-prompts", type=int, metavar="N",
                       help="prompts to run (default: 16 synthetic, or the whole dataset)")
     work.add_argument("--input-len", type=int, default=64, metavar="N", help="synthetic prompt length (default: 64)")
-    work.add_argument("--output-len", type=int, default=64, metavar="N", help="tokens generated per request (default: 64)")
+    work.add_argument("--output-len", type=int, default=64, metavar="N",
+                      help="tokens generated per request (default: 64)")
     work.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default: 4)")
     work.add_argument("--warmup", type=int, default=1, metavar="N", help="uncounted requests run first (default: 1)")
     work.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")

@@ -1,0 +1,192 @@
+"""``specdec bench``: the metrics' definitions, their consistency on real runs, and one-line errors.
+
+Runs use the session's tiny float64 llama with n-gram speculation: greedy float64 speculation is
+lossless, and n-gram drafts depend only on each request's tokens, so the bench's acceptance
+counters must equal those of a plain ``LLM.generate`` over the same prompts, whatever the
+concurrency did to the batches.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.bench import DELTA_KEYS, BenchConfig, RequestRecord, load_prompts, summarize
+from specdec.cli import main
+
+NGRAM = "ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2"
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 5, 8, 10, 2
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+# ----------------------------------------------------------------------------- definitions
+def test_metrics_follow_vllm_definitions():
+    # Request a: arrives at 0, tokens at 1.0 (1), 1.5 (3 at once, a speculative step), 2.5 (1).
+    # Request b: arrives at 0.5, one token at 2.0.
+    a = RequestRecord(4, 0.0, [(1.0, 1), (1.5, 3), (2.5, 1)])
+    b = RequestRecord(6, 0.5, [(2.0, 1)])
+    assert (a.output_len, a.ttft, a.e2el, a.itls, a.tpot) == (5, 1.0, 2.5, [0.5, 1.0], pytest.approx(1.5 / 4))
+    assert (b.ttft, b.itls, b.tpot) == (1.5, [], None)
+    m = summarize([a, b], duration=2.5)
+    assert m["request_throughput"] == pytest.approx(2 / 2.5)
+    assert m["output_throughput"] == pytest.approx(6 / 2.5)
+    assert m["total_token_throughput"] == pytest.approx(16 / 2.5)
+    assert m["median_ttft_ms"] == pytest.approx(1250.0)
+    # TPOT only over requests with more than one token; ITL one gap per emission (2 gaps, not 4).
+    assert m["mean_tpot_ms"] == m["p99_tpot_ms"] == pytest.approx(375.0)
+    assert m["mean_itl_ms"] == pytest.approx(750.0) and m["median_itl_ms"] == pytest.approx(750.0)
+    assert m["p99_itl_ms"] == pytest.approx(500.0 + 0.99 * 500.0)
+    assert m["mean_e2el_ms"] == pytest.approx((2500.0 + 1500.0) / 2)
+
+
+# ----------------------------------------------------------------------------- a real run
+@pytest.fixture(scope="module")
+def bench_json(llama):
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "specdec.cli", "bench", "--model", llama, "--dtype", "float64",
+            "--kv-cache-memory", "4M", "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+            "--num-prompts", str(NUM_PROMPTS), "--concurrency", str(CONCURRENCY), "--warmup", "1",
+            "--speculative-config", NGRAM, "--json",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _check_run(run: dict) -> None:
+    reqs = run["requests"]
+    assert run["completed"] == len(reqs) == NUM_PROMPTS
+    assert run["total_output_tokens"] == sum(r["output_len"] for r in reqs) == NUM_PROMPTS * OUTPUT_LEN
+    assert run["total_input_tokens"] == sum(r["prompt_len"] for r in reqs) == NUM_PROMPTS * INPUT_LEN
+    duration = run["duration_s"]
+    assert run["output_throughput"] * duration == pytest.approx(run["total_output_tokens"])
+    total = run["total_input_tokens"] + run["total_output_tokens"]
+    assert run["total_token_throughput"] * duration == pytest.approx(total)
+    assert run["request_throughput"] * duration == pytest.approx(NUM_PROMPTS)
+    for r in reqs:
+        assert 0 < r["ttft_ms"] <= r["e2el_ms"]
+        assert r["arrival_s"] * 1e3 + r["e2el_ms"] <= duration * 1e3 + 1e-6
+        assert sum(r["tokens_per_emission"]) == r["output_len"] == OUTPUT_LEN
+        assert len(r["itl_ms"]) == len(r["tokens_per_emission"]) - 1
+        assert sum(r["itl_ms"]) == pytest.approx(r["e2el_ms"] - r["ttft_ms"])
+        assert r["tpot_ms"] == pytest.approx((r["e2el_ms"] - r["ttft_ms"]) / (OUTPUT_LEN - 1))
+    ttfts = sorted(r["ttft_ms"] for r in reqs)
+    assert run["median_ttft_ms"] == pytest.approx(ttfts[len(ttfts) // 2])
+    itls = [x for r in reqs for x in r["itl_ms"]]
+    assert run["mean_itl_ms"] == pytest.approx(sum(itls) / len(itls))
+    assert run["mean_tpot_ms"] == pytest.approx(sum(r["tpot_ms"] for r in reqs) / len(reqs))
+    # Never more than CONCURRENCY in flight, and a waiting request enters only when one has finished.
+    spans = sorted((r["arrival_s"], r["arrival_s"] + r["e2el_ms"] / 1e3) for r in reqs)
+    for i, (arrival, _end) in enumerate(spans):
+        assert sum(1 for a, e in spans if a <= arrival < e) <= CONCURRENCY
+        if i >= CONCURRENCY:
+            assert sum(1 for _a, e in spans[:i] if e <= arrival) >= i - CONCURRENCY + 1
+
+
+def test_json_fields_are_consistent(bench_json):
+    result = bench_json
+    assert set(result) == {"settings", "baseline", "speculative", "deltas", "identical_outputs"}
+    base, spec = result["baseline"], result["speculative"]
+    _check_run(base)
+    _check_run(spec)
+    assert base["spec_stats"] is None
+    assert all(r["tokens_per_emission"] == [1] * OUTPUT_LEN for r in base["requests"])
+    assert result["identical_outputs"] == NUM_PROMPTS  # greedy float64: lossless
+    for key in DELTA_KEYS:
+        assert result["deltas"][key] == pytest.approx((spec[key] - base[key]) / base[key])
+    settings = result["settings"]
+    assert settings["speculative_config"]["method"] == "ngram" and settings["num_prompts"] == NUM_PROMPTS
+
+
+def test_acceptance_matches_spec_stats(bench_json, llama):
+    stats = bench_json["speculative"]["spec_stats"]
+    assert stats["num_drafts"] > 0
+    per_position = [a / stats["num_drafts"] for a in stats["accepted_per_position"]]
+    assert stats["acceptance_per_position"] == pytest.approx(per_position)
+    # Every emission is one step: one token plus the drafts it accepted.
+    emissions = sum(len(r["tokens_per_emission"]) for r in bench_json["speculative"]["requests"])
+    assert emissions + stats["num_accepted_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    # The same prompts through LLM.generate (all at once, no warm-up) count the same drafts.
+    config = BenchConfig(model=llama, num_prompts=NUM_PROMPTS, input_len=INPUT_LEN, output_len=OUTPUT_LEN)
+    llm = LLM(llama, speculative_config=NGRAM, dtype="float64", kv_cache_memory=4 << 20)
+    llm.generate(load_prompts(config), SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
+    assert llm.spec_stats().as_dict() == stats
+
+
+def test_table_and_dataset(llama, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    text, ids = json.dumps({"prompt": "def hello ( x ) :"}), json.dumps({"prompt_token_ids": [5, 6, 7]})
+    data.write_text(f"{text}\n\n{ids}\n")  # a blank line is skipped
+    common = ["bench", "--model", llama, "--dtype", "float64", "--kv-cache-memory", "4M", "--output-len", "4",
+              "--dataset", str(data), "--warmup", "0"]
+    capsys.readouterr()
+    assert main([*common, "--speculative-config", NGRAM]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("Spec "))
+    for column in ("Req/s", "Total tok/s", "Output tok/s", "median TTFT (ms)", "TPOT mean/med/p99 (ms)",
+                   "ITL mean/med/p99 (ms)", "delta"):
+        assert column in header
+    assert [line.split()[0] for line in lines if line.startswith(("no ", "ngram "))] == ["no", "ngram"]
+    assert any(line.startswith("acceptance per position: ") and "mean acceptance length" in line for line in lines)
+    assert "outputs identical to the baseline: 2/2" in lines
+
+    assert main([*common, "--num-prompts", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # The text prompt went through the model's tokenizer (which adds <s>); only its first line was kept.
+    assert [r["prompt_len"] for r in result["baseline"]["requests"]] == [7]
+    assert result["speculative"] is None and result["deltas"] is None
+
+
+def _check_error(code: int, stderr: str, needle: str) -> None:
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    "args, lines, needle",
+    [
+        (["--concurrency", "0"], None, "concurrency (--concurrency) must be an int >= 1"),
+        (["--output-len", "x"], None, "--output-len"),
+        (["--speculative-config", "warp:k=3"], None, "warp"),
+        (["--input-len", "200", "--output-len", "100"], None, "max_position_embeddings (256)"),
+        (["--dataset", "{missing}"], None, "does not exist"),
+        (["--dataset", "{data}"], ['{"prompt": "x"}', "not json"], ":2: not valid JSON"),
+        (["--dataset", "{data}"], ['{"text": "x"}'], 'exactly one of "prompt"'),
+        (["--dataset", "{data}"], ['{"prompt_token_ids": [1, -2]}'], "prompt_token_ids"),
+        (["--dataset", "{data}", "--num-prompts", "3"], ['{"prompt_token_ids": [1]}'], "lower --num-prompts"),
+        (["--dataset", "{data}"], ['{"prompt_token_ids": [1, 999]}'], "vocabulary"),
+        (["--kv-cache-memory", "2K"], None, "kv_cache_memory"),
+    ],
+)
+def test_errors_are_one_line_with_exit_2(args, lines, needle, llama, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    if lines is not None:
+        data.write_text("\n".join(lines) + "\n")
+    args = [a.replace("{data}", str(data)).replace("{missing}", str(tmp_path / "none.jsonl")) for a in args]
+    command = ["bench", "--model", llama, "--input-len", "4", "--output-len", "4"]
+    if "--dataset" not in args:
+        command += ["--num-prompts", "1"]
+    capsys.readouterr()  # drop what building the checkpoint printed
+    code = main(command + args)
+    _check_error(code, capsys.readouterr().err, needle)
+
+
+def test_text_prompts_need_a_tokenizer(tiny_checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hello"}\n')
+    model = str(tiny_checkpoint("llama_draft"))
+    capsys.readouterr()  # drop what building the checkpoint printed
+    code = main(["bench", "--model", model, "--dataset", str(data)])
+    _check_error(code, capsys.readouterr().err, "no tokenizer")

@@ -354,8 +354,11 @@ def _run(config: BenchConfig, spec, prompts, max_model_len: int, progress) -> di
         serve(engine, warm, params, config.concurrency)
         llm.reset_spec_stats()
     progress(f"{len(prompts)} requests at concurrency {config.concurrency}")
+    preempted = engine.scheduler.num_preemptions
     records, start, duration, outputs = serve(engine, prompts, params, config.concurrency)
     result = summarize(records, duration)
+    # Recomputed requests slow a run down; a figure worth seeing next to the timings.
+    result["num_preemptions"] = engine.scheduler.num_preemptions - preempted
     stats = llm.spec_stats()
     result["spec_stats"] = stats.as_dict() if stats is not None else None
     result["requests"] = [r.as_dict(start) for r in records]
@@ -369,8 +372,9 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     """Run the baseline (and the spec run when ``config.speculative_config`` is set); one JSON-ready dict.
 
     Keys: ``settings``; ``baseline`` and ``speculative`` (None without a config): the metrics of
-    :func:`summarize` plus ``spec_stats`` and ``requests`` (per request: ``arrival_s``, ``prompt_len``,
-    ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
+    :func:`summarize` plus ``num_preemptions``, ``spec_stats`` and ``requests`` (per request:
+    ``arrival_s``, ``prompt_len``, ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``,
+    ``tokens_per_emission``);
     ``deltas`` (see :func:`deltas`); ``identical_outputs``: how many requests produced the same
     tokens in both runs (all of them, greedy in float64; lower precisions may differ by rounding).
     """
@@ -465,6 +469,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     lines.append(
         "duration (s): " + ", ".join(f"{label} {run['duration_s']:.2f}" for label, run, _ in runs)
+        + "; preemptions: " + ", ".join(f"{label} {run['num_preemptions']}" for label, run, _ in runs)
         + "; ITL counts one gap per emission (a speculative step emits several tokens at once), as vLLM does"
     )
     spec_run = result["speculative"]

@@ -52,8 +52,9 @@ def test_metrics_follow_vllm_definitions():
 def bench_json(llama):
     proc = subprocess.run(
         [
+            # The default KV budget: it must hold CONCURRENCY requests in whole pages.
             sys.executable, "-m", "specdec.cli", "bench", "--model", llama, "--dtype", "float64",
-            "--kv-cache-memory", "4M", "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+            "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--num-prompts", str(NUM_PROMPTS), "--concurrency", str(CONCURRENCY), "--warmup", "1",
             "--speculative-config", NGRAM, "--json",
         ],
@@ -65,6 +66,7 @@ def bench_json(llama):
 
 def _check_run(run: dict) -> None:
     reqs = run["requests"]
+    assert run["num_preemptions"] == 0  # the default KV budget holds CONCURRENCY whole requests
     assert run["completed"] == len(reqs) == NUM_PROMPTS
     assert run["total_output_tokens"] == sum(r["output_len"] for r in reqs) == NUM_PROMPTS * OUTPUT_LEN
     assert run["total_input_tokens"] == sum(r["prompt_len"] for r in reqs) == NUM_PROMPTS * INPUT_LEN
@@ -85,6 +87,9 @@ def _check_run(run: dict) -> None:
     itls = [x for r in reqs for x in r["itl_ms"]]
     assert run["mean_itl_ms"] == pytest.approx(sum(itls) / len(itls))
     assert run["mean_tpot_ms"] == pytest.approx(sum(r["tpot_ms"] for r in reqs) / len(reqs))
+    # The first CONCURRENCY requests really run together: prefilled in one step, first tokens at one instant.
+    firsts = [r["arrival_s"] * 1e3 + r["ttft_ms"] for r in reqs[:CONCURRENCY]]
+    assert max(firsts) - min(firsts) == pytest.approx(0.0, abs=1e-6)
     # Never more than CONCURRENCY in flight, and a waiting request enters only when one has finished.
     spans = sorted((r["arrival_s"], r["arrival_s"] + r["e2el_ms"] / 1e3) for r in reqs)
     for i, (arrival, _end) in enumerate(spans):

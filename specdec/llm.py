@@ -146,8 +146,8 @@ class LLM:
 
 def default_kv_cache_memory(cache: PagedKVCache, max_num_seqs: int, max_model_len: int) -> int:
     """Bytes for ``max_num_seqs`` full-length requests in the registered pools, capped (see ``LLM``)."""
-    per_token = sum(p.bytes_per_token() for p in cache.pools.values())
-    full = per_token * max_num_seqs * max_model_len
+    # Whole pages per request: with 128-token pages and short requests, tokens alone undercount.
+    full = cache.bytes_needed(max_model_len) * max_num_seqs
     cap = int(_available_memory() * DEFAULT_MEMORY_FRACTION)
     return max(min(full, cap), cache.bytes_needed(max_model_len))
 

@@ -37,7 +37,7 @@ def zoo_path(name: str) -> Path:
     if name not in ASSETS:
         raise ValueError(f"unknown zoo asset {name!r}; choose one of {sorted(ASSETS)}")
     folder = ZOO_DIR / name
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(
             f"zoo asset {name!r} is not built in {str(folder)!r}; run `python scripts/build_zoo.py` "
             f"(or `--only {name}`)"

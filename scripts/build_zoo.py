@@ -77,7 +77,7 @@ def build_assets(out: Path, plan: dict[str, tuple[str, str | None, str]], *, see
             folder = out / name
             if kind != "target" and kind != "draft_model":
                 target_dir = out / target_name
-                if not (target_dir / "model.safetensors").is_file():
+                if not (target_dir / "config.json").is_file():
                     raise FileNotFoundError(f"{name} needs its target {target_name}; build it first (--only {target_name})")
             if folder.exists():
                 shutil.rmtree(folder)

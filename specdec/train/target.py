@@ -193,6 +193,11 @@ def train_target(config: TargetTrainConfig) -> TrainResult:
     return result
 
 
+# Bundled files stay under the repository's 20 MB per-file limit; bigger checkpoints are sharded
+# with an index, which both transformers and specdec's loader read.
+MAX_SHARD_SIZE = "16MB"
+
+
 def save_checkpoint(model, tokenizer, folder: str | Path, metadata: dict | None = None) -> Path:
     """Write the model in bf16 with its tokenizer, generation config and (optionally) ``training.json``."""
     folder = Path(folder)
@@ -204,7 +209,7 @@ def save_checkpoint(model, tokenizer, folder: str | Path, metadata: dict | None 
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id,
     )
-    model.save_pretrained(str(folder))
+    model.save_pretrained(str(folder), max_shard_size=MAX_SHARD_SIZE)
     save_tokenizer(tokenizer, folder)
     if metadata is not None:
         (folder / "training.json").write_text(json.dumps(_jsonable(metadata), indent=2) + "\n")

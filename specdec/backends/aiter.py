@@ -39,6 +39,8 @@ class AiterBackend:
     """Selecting it without amd-aiter installed fails with one line naming ``pip install specdec[rocm]``."""
 
     name = "aiter"
+    # aiter's unified_attention takes causal and sliding-window masks only.
+    supports_custom_mask = False
 
     def __init__(self, mla_decode_max_queries: int = MLA_DECODE_MAX_QUERIES):
         if not isinstance(mla_decode_max_queries, int) or mla_decode_max_queries < 1:

@@ -101,6 +101,8 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+    # Whether ``attention`` honours ``AttentionMetadata.custom_mask`` (block-sparse or tree attention).
+    supports_custom_mask: bool
 
     def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
         """Whether this backend can run a pool of kind ``"attention"`` / ``"mla"`` at this page size."""

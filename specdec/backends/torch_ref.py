@@ -16,6 +16,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    supports_custom_mask = True
 
     def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
         return block_size >= 1

@@ -38,6 +38,23 @@ class PageSizeError(ValueError):
     """An impossible combination of pools, page sizes and backends; the message is one line."""
 
 
+class BackendFeatureError(ValueError):
+    """The target needs an attention feature its backend lacks; the message is one line."""
+
+
+def check_target_backend(model, backend: AttentionBackend) -> None:
+    """Raise :class:`BackendFeatureError` when ``backend`` lacks a feature the target's attention needs.
+
+    Today the one such feature is ``custom_mask`` (MiniMax-M3's block-sparse layers select KV blocks
+    per query); failing here, when the engine is built, beats failing in the middle of ``generate``.
+    """
+    if getattr(model, "needs_custom_mask", False) and not getattr(backend, "supports_custom_mask", False):
+        raise BackendFeatureError(
+            f"{type(model).__name__} needs per-query block masks (custom_mask), which attention backend "
+            f"{backend.name!r} does not support; use attention_backend='torch' or 'triton'"
+        )
+
+
 @attrs.frozen
 class PoolUse:
     """One backend running attention over one pool.

@@ -12,7 +12,7 @@ import torch
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.engine.blocks import choose_block_size
-from specdec.engine.compat import PoolSnapshot, check_engine_pools, proposer_pool_uses
+from specdec.engine.compat import PoolSnapshot, check_engine_pools, check_target_backend, proposer_pool_uses
 from specdec.engine.model_runner import Chunk, ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence as EngineSequence
@@ -337,6 +337,7 @@ def register_pools(
     pool it uses (:func:`specdec.engine.compat.check_engine_pools`; an impossible combination of page
     sizes raises :class:`~specdec.engine.compat.PageSizeError`). Returns the target's pool names.
     """
+    check_target_backend(model, backend)
     dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
     size = choose_block_size(model, backend, block_size, dtype)
     pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, dtype)]

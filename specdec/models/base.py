@@ -84,6 +84,8 @@ class CausalLM(Protocol):
     vocab_size: int
     # Page size the architecture needs (MiniMax-M3's block-sparse attention: 128); None = any.
     required_block_size: int | None
+    # Whether the attention needs a backend with ``custom_mask`` support (MiniMax-M3's block selection).
+    needs_custom_mask: bool
 
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]: ...
 

@@ -65,6 +65,7 @@ class DecoderOnlyLM(nn.Module):
     """
 
     required_block_size: int | None = None
+    needs_custom_mask: bool = False
 
     def __init__(self, hf_config, model: nn.Module, text_config=None):
         super().__init__()

@@ -357,6 +357,7 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         self.attention_types = attention_types
         self.mlp_types = mlp_types
         self.required_block_size: int | None = text.index_block_size
+        self.needs_custom_mask = SPARSE_LAYER in attention_types
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:

@@ -30,7 +30,13 @@ from specdec.backends import get_backend
 from specdec.backends.torch_ref import TorchBackend
 from specdec.cache.pool import AttentionPool, MLAPool
 from specdec.cli import main
-from specdec.engine.compat import PageSizeError, PoolUse, check_engine_pools, describe_support
+from specdec.engine.compat import (
+    BackendFeatureError,
+    PageSizeError,
+    PoolUse,
+    check_engine_pools,
+    describe_support,
+)
 
 # The EAGLE3 checkpoint writers live beside the proposer tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proposers"))
@@ -201,6 +207,20 @@ def test_minimax_m3_128_token_pages_with_a_16_token_aiter_draft(tmp_path, torch_
     assert pools["target"][:2] == ("attention", 128) and pools["draft"] == ("attention", 16, 1)
     assert outputs == torch_run(str(target), "float32")[0]
     assert trace == torch_run(str(target), "float32", draft=str(tmp_path / "draft"))[1]
+
+
+def test_minimax_m3_target_on_aiter_is_refused_when_the_engine_is_built(tmp_path, capsys):
+    # aiter's attention takes no per-query block mask, which MiniMax-M3's sparse layers need.
+    target = str(save_minimax_m3_target(tmp_path / "m3"))
+    with pytest.raises(BackendFeatureError) as err:
+        LLM(target, attention_backend="aiter", kv_cache_memory=MEMORY)
+    message = _one_line(str(err.value))
+    assert "custom_mask" in message and "'aiter'" in message and "attention_backend='torch' or 'triton'" in message
+    capsys.readouterr()  # drop the checkpoint writer's progress output
+    code = main(["generate", "--model", target, "--attention-backend", "aiter", "--kv-cache-memory", "4M",
+                 "--prompt-ids", "1,2,3"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and captured.err.strip().splitlines() == [f"error: {message}"]
 
 
 def test_no_common_page_size_fails_in_one_line_from_llm_and_cli(ckpt, mla16, torch_run, capsys):

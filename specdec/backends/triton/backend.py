@@ -20,6 +20,7 @@ class TritonBackend:
     """
 
     name = "triton"
+    supports_custom_mask = True
 
     def __init__(self, config: KernelConfig | None = None):
         check_runnable()

@@ -1,22 +1,24 @@
-"""EAGLE3 draft cost relative to a target step on the CPU, measured inside the engine.
+"""EAGLE3 at batch 1 and up: draft cost, verify cost, speedup, and how close it comes to the ideal.
 
-    python benchmarks/bench_eagle3.py [--target DIR --draft DIR] [--k 1,3,5] [--batch 1,4] [--max-tokens 48]
+    python benchmarks/bench_eagle3.py [--target DIR --draft DIR | --random] [--k 1,3,5] [--batch 1,4]
 
-Without folders a small random Llama target (hidden 512, 8 layers, vocab 4096, as in
-bench_spec.py) and a random EAGLE3 head for it (SGLang layout, one layer of the target's width,
-a draft vocabulary of a quarter of the target's with its d2t map) are written to a temporary
-folder. For each k and batch size one generation runs with speculation; the time spent in the
-proposer (catch-up over the newly verified tokens + the chain of k drafts) and in the target's
-verify forward are summed per step. Printed per row:
+The pair is, in order: the folders given; the zoo's ``minimax-m3-tiny`` with its EAGLE3 draft when
+built; else (or with ``--random``) a random Llama (hidden 512, 8 layers, vocab 4096, as in
+bench_spec.py) with a random EAGLE3 head (SGLang layout). Prompts are windows of the offline
+validation corpus (synthetic ids when the target has no tokenizer). For each k and batch size the
+same prompts run without and with speculation, groups of ``batch`` at a time; per-call medians are
+taken inside the engine. Printed per row:
 
-- ``target ms``: the target's verify forward (k + 1 rows per request) per step;
-- ``chain ms``: the whole proposer call per step, and ``chain/target`` its ratio to the target
-  forward (the aim: below 1 for k = 3);
-- ``c``: one draft forward relative to a plain target decode step (the FACTS.md section 2 cost
-  figure; ideal speedup = expected tokens per step / (k c + 1)).
+- ``decode ms``: a plain 1-token target step; ``verify ms``: the target's (k + 1)-token verify
+  forward; ``verify/decode``: their ratio, which is about 1 on a GPU (both read the same weights);
+- ``chain ms``: the whole proposer call per step (catch-up over the verified tokens + k drafts);
+- ``c``: one draft forward over a plain target decode step (FACTS.md section 2);
+- ``tau``: mean acceptance length and ``alpha`` the i.i.d. acceptance that gives it;
+- ``speedup``: spec tok/s over plain tok/s, measured in the same run; ``ideal``: tau / (k c + 1);
+  ``of ideal``: the measured share of it. A note per row gives acceptance per position and the
+  bound once the verify cost is counted, tau / (k c + verify/decode).
 
-Random weights accept almost nothing, which changes the catch-up length (one row per request per
-step) but not the cost structure; pass a trained pair for acceptance figures.
+Random weights accept almost nothing, so that pair shows cost structure only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 import torch
 
 from bench_decode import small_llama  # the script's folder is on sys.path
+
+from specdec.train.corpus import validation_prompts
 
 
 def random_eagle3_draft(folder: str, target: str, draft_vocab: int, seed: int = 0) -> str:
@@ -102,66 +106,126 @@ class Timer:
         return 1e3 * rest[len(rest) // 2]
 
 
-def measure(target: str, draft: str, k: int, batch: int, max_tokens: int, prompt_len: int, dtype: str) -> dict:
+def alpha_from_tau(tau: float, k: int) -> float:
+    """The i.i.d. per-draft acceptance alpha whose expected tokens per step (1 - a^(k+1)) / (1 - a) is tau."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection: the expectation rises with alpha from 1 to k + 1
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def measure(target: str, draft: str, k: int, batch: int, max_tokens: int, prompts: list[list[int]],
+            dtype: str) -> dict:
     from specdec import LLM, SamplingParams
 
-    prompts = [[(13 * i + 7 * j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, ignore_eos=True)
     memory = 256 << 20
+    # One request at a time for batch 1, as a user at batch 1 sees it; batches of ``batch`` otherwise.
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
 
-    plain = LLM(target, dtype=dtype, kv_cache_memory=memory)
-    plain.generate(prompts[:1], warm, use_tqdm=False)
+    def timed(llm, timers: list[Timer]) -> tuple[list, float]:
+        llm.generate(prompts[:1], warm, use_tqdm=False)
+        llm.reset_spec_stats()
+        for timer in timers:  # keep only the measured generations
+            timer.times.clear()
+        outputs, start = [], time.perf_counter()
+        for group in groups:
+            outputs += llm.generate(group, params, use_tqdm=False)
+        return outputs, sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+
+    plain = LLM(target, dtype=dtype, kv_cache_memory=memory, max_num_seqs=batch)
     forward = Timer(plain.engine.runner, "forward")
-    plain.generate(prompts, params, use_tqdm=False)
+    plain_outputs, plain_tps = timed(plain, [forward])
 
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
-    llm = LLM(target, dtype=dtype, kv_cache_memory=memory, speculative_config=spec)
-    llm.generate(prompts[:1], warm, use_tqdm=False)
-    llm.reset_spec_stats()
+    llm = LLM(target, dtype=dtype, kv_cache_memory=memory, max_num_seqs=batch, speculative_config=spec)
     proposer = llm.engine.proposer
     propose = Timer(proposer, "propose")
     draft_forward = Timer(proposer, "_forward")
     target_forward = Timer(llm.engine.runner, "forward")
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    # Skipped: the target prefill, the proposer's empty call in that step and its prompt catch-up.
+    outputs, spec_tps = timed(llm, [propose, draft_forward, target_forward])
+    stats = llm.spec_stats()
+    # Steady-state medians: the median skips each request's prefill and the proposer's prompt catch-up.
     return {
-        "target_ms": target_forward.steady_ms(1),
-        "chain_ms": propose.steady_ms(2),
-        "draft_fwd_ms": draft_forward.steady_ms(1 + k),
-        "decode_ms": forward.steady_ms(1),
-        "tau": llm.spec_stats().mean_acceptance_length,
-        "tok_s": sum(len(o.token_ids) for o in outputs) / wall,
+        "target_ms": target_forward.steady_ms(0),
+        "chain_ms": propose.steady_ms(0),
+        "draft_fwd_ms": draft_forward.steady_ms(0),
+        "decode_ms": forward.steady_ms(0),
+        "tau": stats.mean_acceptance_length,
+        "per_position": stats.acceptance_per_position,
+        "plain_tok_s": plain_tps,
+        "tok_s": spec_tps,
+        "same": sum(a.token_ids == b.token_ids for a, b in zip(plain_outputs, outputs)),
+        "requests": len(outputs),
     }
+
+
+def default_pair() -> tuple[str, str] | None:
+    """The zoo's MiniMax-M3-shaped target and its EAGLE3 draft, when built."""
+    from specdec.zoo import zoo_path
+
+    try:
+        return str(zoo_path("minimax-m3-tiny")), str(zoo_path("minimax-m3-tiny-eagle3"))
+    except FileNotFoundError:
+        return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="target checkpoint folder (default: a random small llama)")
-    parser.add_argument("--draft", help="EAGLE3 draft folder for the target (default: a random head)")
+    parser.add_argument("--target", help="target checkpoint folder (default: the zoo's minimax-m3-tiny, else random)")
+    parser.add_argument("--draft", help="EAGLE3 draft folder for the target (default: the zoo's, else random)")
+    parser.add_argument("--random", action="store_true", help="use the random llama pair even if the zoo is built")
     parser.add_argument("--k", default="1,3,5", help="comma-separated num_speculative_tokens")
     parser.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
+    parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's: bf16 for the zoo) | float32 | ...")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if bool(args.target) != bool(args.draft):
+        parser.error("give --target and --draft together")
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         vocab = 4096
-        target = args.target or small_llama(str(Path(tmp) / "target"), 512, 8, vocab, seed=0)
-        draft = args.draft or random_eagle3_draft(str(Path(tmp) / "draft"), target, vocab // 4)
-        print(f"{'k':>2} {'batch':>5} {'target ms':>9} {'chain ms':>8} {'chain/target':>12} {'draft fwd ms':>12} "
-              f"{'decode ms':>9} {'c':>5} {'tau':>5} {'tok/s':>7}")
+        pair = (args.target, args.draft) if args.target else (None if args.random else default_pair())
+        if pair is None:
+            target = small_llama(str(Path(tmp) / "target"), 512, 8, vocab, seed=0)
+            pair, source = (target, random_eagle3_draft(str(Path(tmp) / "draft"), target, vocab // 4)), "random"
+        else:
+            source = "trained"
+        target, draft = pair
+        prompts = validation_prompts(target, args.num_prompts, args.prompt_len) or [
+            [(13 * i + 7 * j) % 1000 + 3 for j in range(args.prompt_len)] for i in range(args.num_prompts)
+        ]
+        print(f"target {target}\ndraft  {draft}  ({source}; {len(prompts)} prompts of {args.prompt_len} tokens, "
+              f"{args.max_tokens} new, greedy, dtype {args.dtype}, {args.threads} threads)")
+        header = (f"{'k':>2} {'batch':>5} {'decode ms':>9} {'verify ms':>9} {'verify/decode':>13} {'chain ms':>8} "
+                  f"{'c':>5} {'tau':>5} {'alpha':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
+                  f"{'ideal':>5} {'of ideal':>8} {'same':>5}")
+        print(header)
+        print("-" * len(header))
+        notes = []
         for k in map(int, args.k.split(",")):
             for batch in map(int, args.batch.split(",")):
-                r = measure(target, draft, k, batch, args.max_tokens, args.prompt_len, args.dtype)
-                print(f"{k:>2} {batch:>5} {r['target_ms']:>9.2f} {r['chain_ms']:>8.2f} "
-                      f"{r['chain_ms'] / r['target_ms']:>12.2f} {r['draft_fwd_ms']:>12.2f} {r['decode_ms']:>9.2f} "
-                      f"{r['draft_fwd_ms'] / r['decode_ms']:>5.2f} {r['tau']:>5.2f} {r['tok_s']:>7.1f}")
+                r = measure(target, draft, k, batch, args.max_tokens, prompts, args.dtype)
+                c = r["draft_fwd_ms"] / r["decode_ms"]
+                ratio = r["target_ms"] / r["decode_ms"]
+                ideal = r["tau"] / (k * c + 1)  # FACTS.md section 2, with the measured tau
+                speedup = r["tok_s"] / r["plain_tok_s"]
+                print(f"{k:>2} {batch:>5} {r['decode_ms']:>9.2f} {r['target_ms']:>9.2f} {ratio:>13.2f} "
+                      f"{r['chain_ms']:>8.2f} {c:>5.2f} {r['tau']:>5.2f} {alpha_from_tau(r['tau'], k):>5.2f} "
+                      f"{r['plain_tok_s']:>11.1f} {r['tok_s']:>10.1f} {speedup:>6.2f}x {ideal:>4.2f}x "
+                      f"{speedup / ideal:>8.0%} {r['same']:>2}/{r['requests']}")
+                per = ", ".join(f"{a:.3f}" for a in r["per_position"])
+                # What the ideal leaves out: the verify forward costs `ratio` decode steps, not one.
+                notes.append(f"k={k} batch={batch}: acceptance per position {per}; with the measured verify cost "
+                             f"the bound is tau / (k c + verify/decode) = {r['tau'] / (k * c + ratio):.2f}x")
+        print("\n".join(notes))
+        print("ideal = tau / (k c + 1), FACTS.md section 2 (tau = (1 - alpha^(k+1)) / (1 - alpha) for i.i.d. alpha)")
 
 
 if __name__ == "__main__":

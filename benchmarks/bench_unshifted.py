@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.train.corpus import validation_prompts
 
 # ----------------------------------------------------------------------------- pairs
 def random_pair(root: Path) -> tuple[str, str]:
@@ -65,26 +66,6 @@ def zoo_pair() -> tuple[str, str, str | None] | None:
     except FileNotFoundError:
         shifted = None
     return str(target), str(unshifted), shifted
-
-
-def corpus_prompts(target: str, count: int, length: int) -> list[list[int]] | None:
-    """``count`` windows of ``length`` tokens from the validation corpus, or None without a tokenizer."""
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    except Exception:  # no tokenizer files in the folder
-        return None
-    from specdec.train.corpus import load_documents
-
-    prompts = []
-    for doc in load_documents("validation"):
-        ids = tokenizer(doc.text)["input_ids"]
-        for start in range(0, len(ids) - length, 4 * length):
-            prompts.append(ids[start : start + length])
-            if len(prompts) == count:
-                return prompts
-    return prompts
 
 
 def target_config(target: str) -> dict:
@@ -191,7 +172,7 @@ def main() -> None:
         if not trained:
             print("\nacceptance: skipped (random weights); pass --target/--draft or build the zoo")
             return
-        prompts = corpus_prompts(target, args.num_prompts, args.prompt_len)
+        prompts = validation_prompts(target, args.num_prompts, args.prompt_len)
         if prompts is None:
             prompts = [[(31 * i + 7 * j) % vocab_top + 3 for j in range(args.prompt_len)]
                        for i in range(args.num_prompts)]

@@ -130,3 +130,26 @@ def corpus_fingerprint(docs: list[Document]) -> str:
         digest.update(doc.text.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+def validation_prompts(tokenizer_dir: str | Path, count: int, length: int,
+                       config: CorpusConfig | None = None) -> list[list[int]] | None:
+    """``count`` prompts of ``length`` token ids: windows of the validation split, which no zoo model trained on.
+
+    Windows are taken every ``4 * length`` tokens through the documents in order, so the same
+    arguments give the same prompts. None when ``tokenizer_dir`` holds no tokenizer.
+    """
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError):  # no tokenizer files in the folder
+        return None
+    prompts: list[list[int]] = []
+    for doc in iter_documents("validation", config):
+        ids = tokenizer(doc.text)["input_ids"]
+        for start in range(0, len(ids) - length, 4 * length):
+            prompts.append(ids[start : start + length])
+            if len(prompts) == count:
+                return prompts
+    return prompts

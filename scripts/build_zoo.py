@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Regenerate every bundled zoo asset (specdec/zoo/*) from the offline corpus, deterministically.
 
-    python scripts/build_zoo.py                 # full schedules (about 3 hours on 2 uncontended CPU cores)
+    python scripts/build_zoo.py                 # full schedules (about 3 hours on 2 CPU cores)
     python scripts/build_zoo.py --compile       # the same, MiniMax-M3 target ~20 min faster (C++ compiler)
     python scripts/build_zoo.py --quick         # a tenth of the steps, to check the pipeline
     python scripts/build_zoo.py --only llama-tiny --only llama-tiny-eagle3

@@ -717,14 +717,14 @@ _register(DraftPreset(
 _register(DraftPreset(
     name="kimi-k2-tiny-eagle3.1-mla", attention="mla", intermediate_size=384, draft_vocab_size=3072, eagle31=True,
     aux_layer_ids=(1, 2, 3),
-    steps=400, quick_steps=40,
+    steps=160, quick_steps=16,
     generated_windows=512,
     description="EAGLE3.1 MLA head for kimi-k2-tiny (fc_norm + norm_output), lives in the target's MLA pool",
 ))
 _register(DraftPreset(
     name="kimi-k2-tiny-eagle3", attention="mha", intermediate_size=384, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, draft_vocab_size=1024, own_lm_head=True, aux_layer_ids=(1, 2, 3),
-    steps=400, quick_steps=40,
+    steps=160, quick_steps=16,
     generated_windows=512,
     description="MHA EAGLE3 head for kimi-k2-tiny with its own 1024-token lm_head (needs its own KV pool)",
 ))

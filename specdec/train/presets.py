@@ -186,7 +186,7 @@ _register(TargetPreset(
     model_type="deepseek_v3",
     config=_kimi_k2(hidden=256, layers=4, heads=4, q_lora=96, kv_lora=64, nope=32, rope=16, v_dim=32,
                     dense_inter=512, expert_inter=96, experts=8, top_k=2),
-    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=2e-3,
+    seq_len=512, batch_size=8, steps=600, quick_steps=60, lr=2e-3,
     description="Kimi-K2-shaped deepseek_v3 target: MLA (q_lora 96, kv_lora 64, rope 16), first layer "
     "dense, 8 sigmoid-routed experts top-2 + 1 shared",
 ))
@@ -194,14 +194,14 @@ _register(TargetPreset(
     name="llama-tiny",
     model_type="llama",
     config=_llama(hidden=256, layers=4, heads=4, kv_heads=2, inter=512, tied=True),
-    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=2e-3,
+    seq_len=512, batch_size=8, steps=1200, quick_steps=120, lr=2e-3,
     description="Llama-shaped target with GQA and tied embeddings",
 ))
 _register(TargetPreset(
     name="draft-model-tiny",
     model_type="llama",
     config=_llama(hidden=128, layers=2, heads=2, kv_heads=1, inter=384, tied=True),
-    seq_len=512, batch_size=8, steps=2400, quick_steps=240, lr=3e-3,
+    seq_len=512, batch_size=8, steps=1200, quick_steps=120, lr=3e-3,
     description="Independent small LM for the draft_model proposer (same tokenizer as the targets)",
 ))
 

@@ -149,7 +149,8 @@ def test_block_selection_really_drops_blocks(ours):
             ix.topk_blocks = 2
     change = (sparse - dense).abs().amax(-1) / dense.abs().amax(-1)
     assert change[0] > 1e-3 and change[1] > 1e-3
-    assert change[2] == 0
+    # The short prompt selects the same blocks either way; only float64 summation order may differ.
+    assert change[2] < 1e-12
 
 
 def test_chunked_prefill_selects_from_cached_indexer_keys(ours):

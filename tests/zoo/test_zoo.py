@@ -15,12 +15,10 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.train.corpus import validation_prompts
-from specdec.zoo import ASSETS, ZOO_DIR, available
+from specdec.zoo import ASSETS, BUDGET_BYTES, MAX_FILE_BYTES, ZOO_DIR, available
 
 MANIFEST = json.loads((ZOO_DIR / "manifest.json").read_text())
 BUILT = available()
-MAX_FILE_BYTES = 20_000_000
-BUDGET_BYTES = 60_000_000
 # An asset's kind is the speculative method it serves (eagle3, eagle3.1-mla, eagle3-unshifted, draft_model).
 DRAFTS = [name for name in BUILT if ASSETS[name][0] != "target" and ASSETS[name][1] in BUILT]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -34,6 +34,9 @@ class AttentionMetadata:
     causal: bool = True
     # Optional [T, max_seq_len] bool mask (True = may attend), for tree drafts; ANDed with causality.
     custom_mask: torch.Tensor | None = None
+    # Index tensors derived from the layout, shared by every layer of the forward and by copies made
+    # with attrs.evolve (a per-head-group custom_mask): see :meth:`derived`.
+    _derived: dict = attrs.field(factory=dict, eq=False, repr=False, kw_only=True)
 
     @classmethod
     def build(
@@ -82,6 +85,22 @@ class AttentionMetadata:
     @property
     def num_query_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    def derived(self, name: Hashable, compute: Callable[["AttentionMetadata"], Any]) -> Any:
+        """``compute(self)`` for a value that depends only on the query/sequence layout, computed once.
+
+        Every layer of a forward reads the same metadata, so per-token indices and causal masks are
+        built once instead of once per layer. An entry is reused only by metadata with the very
+        ``query_start_loc`` / ``seq_lens`` tensors (and lengths, causality) it was computed from, so an
+        evolved copy with another layout recomputes; ``custom_mask`` must not enter ``compute``.
+        """
+        layout = (self.query_start_loc, self.seq_lens, self.max_query_len, self.max_seq_len, self.causal)
+        hit = self._derived.get(name)
+        if hit is not None and all(a is b for a, b in zip(hit[0][:2], layout[:2])) and hit[0][2:] == layout[2:]:
+            return hit[1]
+        value = compute(self)
+        self._derived[name] = (layout, value)
+        return value
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

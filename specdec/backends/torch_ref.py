@@ -72,6 +72,14 @@ def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
 
 def attention_mask(meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
     """Which keys each query token may see: bool ``[T, max_seq_len]``."""
+    mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
+    if meta.custom_mask is not None:
+        mask = mask & meta.custom_mask[:, : meta.max_seq_len]
+    return mask
+
+
+def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+    """The keys each query may see by position alone (sequence length, causality, sliding window)."""
     device = meta.seq_lens.device
     query_lens = meta.query_lens.long()
     request, offset = _query_index(meta)
@@ -83,8 +91,6 @@ def attention_mask(meta: AttentionMetadata, sliding_window: int | None = None) -
         mask &= key_pos[None, :] <= query_pos[:, None]
     if sliding_window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-    if meta.custom_mask is not None:
-        mask &= meta.custom_mask[:, : meta.max_seq_len]
     return mask
 
 
@@ -125,6 +131,10 @@ def _masked_attention(
 
 def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """For each query token: its request index and its offset within that request's queries."""
+    return meta.derived("query_index", _compute_query_index)
+
+
+def _compute_query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     device = meta.seq_lens.device
     request = torch.repeat_interleave(torch.arange(meta.num_requests, device=device), meta.query_lens.long())
     offset = torch.arange(meta.num_query_tokens, device=device) - meta.query_start_loc[:-1].long()[request]

@@ -118,7 +118,7 @@ class DecoderOnlyLM(nn.Module):
         """
         capture = self._check_aux_ids(aux_layer_ids)
         h = self.embed(input_ids)
-        rotary = self.model.rotary_emb
+        rotary = self.model.rotary_emb.at(positions)
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             captured.extend([h] * capture.get(i, 0))

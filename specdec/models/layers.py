@@ -107,9 +107,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``[T, heads, head_dim]`` tensor's first ``rotary_dim`` features by position."""
         cos, sin = self.cos_sin(positions, tensors[0].dtype)
-        return tuple(self._rotate(t, cos, sin) for t in tensors)
+        return tuple(self.rotate(t, cos, sin) for t in tensors)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def at(self, positions: torch.Tensor) -> "PositionedRotary":
+        """This RoPE for one forward's ``positions``: every layer reuses one cos/sin table."""
+        return PositionedRotary(self, positions)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.interleaved:
@@ -120,3 +124,29 @@ class RotaryEmbedding(nn.Module):
             first, second = rot[..., :half], rot[..., half:]
             rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+
+
+class PositionedRotary:
+    """A :class:`RotaryEmbedding` bound to one forward's positions, called like the module itself.
+
+    The cos/sin table of those positions is computed once per dtype and shared by every layer (and
+    by MiniMax-M3's indexers); other positions fall through to the module. It lives for one forward,
+    so the positions it holds never change under it.
+    """
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor):
+        self.rotary = rotary
+        self.positions = positions
+        self.rotary_dim = rotary.rotary_dim
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is not self.positions:
+            return self.rotary.cos_sin(positions, dtype)
+        if dtype not in self._tables:
+            self._tables[dtype] = self.rotary.cos_sin(positions, dtype)
+        return self._tables[dtype]
+
+    def __call__(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos, sin = self.cos_sin(positions, tensors[0].dtype)
+        return tuple(self.rotary.rotate(t, cos, sin) for t in tensors)

@@ -216,6 +216,10 @@ class MiniMaxM3Indexer(nn.Module):
 
 def query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query token: its request, its offset among that request's queries, its cache position."""
+    return meta.derived("minimax_m3.query_layout", _compute_query_layout)
+
+
+def _compute_query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     device = meta.seq_lens.device
     query_lens = meta.query_lens.long()
     request = torch.repeat_interleave(torch.arange(meta.num_requests, device=device), query_lens)

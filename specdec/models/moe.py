@@ -56,7 +56,17 @@ def sigmoid_topk_routing(
 
 
 class FusedExperts(nn.Module):
-    """``E`` gated experts as two stacked tensors; ``activation`` maps ``[n, 2I]`` gate|up to ``[n, I]``."""
+    """``E`` gated experts as two stacked tensors; ``activation`` maps ``[n, 2I]`` gate|up to ``[n, I]``.
+
+    Two schedules, one result (up to matmul rounding): a few tokens over few experts (at most
+    ``DENSE_MAX_ROWS`` token-expert rows, decode and verify of a small MoE) run every expert on every
+    token as two batched matmuls, a fixed handful of ops whatever the routing, so a (k + 1)-token verify
+    costs what a 1-token decode does; more rows sort (token, slot) pairs by expert and run one matmul
+    per expert over its tokens (a loop over experts, never over tokens), which computes only routed
+    rows. A real MoE (hundreds of experts) never takes the dense schedule.
+    """
+
+    DENSE_MAX_ROWS = 64
 
     def __init__(
         self,
@@ -76,10 +86,28 @@ class FusedExperts(nn.Module):
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` as ``[T, H]``, summed in at least float32.
 
         The result stays in that precision: callers add their shared experts or scaling and cast.
-        (token, slot) pairs are sorted by expert so each expert runs one matmul over all its tokens
-        (a loop over experts, never over tokens).
+        Either schedule ends in the same fixed-order sum over the k slots (deterministic, unlike
+        index_add_, and far cheaper on CPU).
         """
         num_tokens, top_k = experts.shape
+        if num_tokens * self.num_experts <= self.DENSE_MAX_ROWS:
+            per_slot = self._every_expert(x, experts)
+        else:
+            per_slot = self._routed_rows(x, experts)
+        cd = compute_dtype(x.dtype)
+        weighted = per_slot.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
+        return weighted.sum(dim=1)
+
+    def _every_expert(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``[T * k, H]`` outputs in (token, slot) order, from all ``E`` experts run on all tokens."""
+        gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
+        out = torch.matmul(self.activation(gate_up), self.down_proj.transpose(1, 2))  # [E, T, H]
+        token = torch.arange(x.shape[0], device=x.device)[:, None]
+        return out[experts, token].flatten(0, 1)
+
+    def _routed_rows(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``[T * k, H]`` outputs in (token, slot) order, each expert run once over its routed tokens."""
+        top_k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // top_k
@@ -92,13 +120,9 @@ class FusedExperts(nn.Module):
                 seg = self.activation(F.linear(rows[start : start + n], self.gate_up_proj[e]))
                 out_rows[start : start + n] = F.linear(seg, self.down_proj[e])
                 start += n
-        # Back to (token, slot) order, then a fixed-order sum over the k slots: deterministic, unlike
-        # index_add_, and far cheaper on CPU.
         unsorted = torch.empty_like(out_rows)
         unsorted[order] = out_rows
-        cd = compute_dtype(x.dtype)
-        weighted = unsorted.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
-        return weighted.sum(dim=1)
+        return unsorted
 
 
 _PER_EXPERT = re.compile(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+import torch.nn.functional as F
 
 from specdec.backends.base import AttentionMetadata, lse_dtype
 
@@ -70,14 +71,6 @@ def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return pages[:, : meta.max_seq_len]
 
 
-def attention_mask(meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
-    """Which keys each query token may see: bool ``[T, max_seq_len]``."""
-    mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
-    if meta.custom_mask is not None:
-        mask = mask & meta.custom_mask[:, : meta.max_seq_len]
-    return mask
-
-
 def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
     """The keys each query may see by position alone (sequence length, causality, sliding window)."""
     device = meta.seq_lens.device
@@ -104,29 +97,72 @@ def _masked_attention(
     sliding_window: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``q [T, H, D]`` against per-request ``keys [B, S, Hkv, D]``, ``values [B, S, Hkv, Dv]``."""
+    """``q [T, H, D]`` against per-request ``keys [B, S, Hkv, D]``, ``values [B, S, Hkv, Dv]``.
+
+    Queries are padded per request to ``[B, max_query_len, H, D]`` (a view when every request has
+    ``max_query_len`` of them: decode and verify batches), so scores are ``[B, H, max_query_len, S]``,
+    not ``[T, S, ...]``. A query that sees no key gets 0 (and ``-inf`` LSE).
+    """
     num_tokens, num_heads, head_dim = q.shape
     batch, max_seq, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    # Pad queries per request so scores are [B, Hkv, group, max_query_len, S], not [T, S, ...].
     request, offset = _query_index(meta)
-    padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
-    padded_q[request, offset] = q
-    padded_mask = torch.zeros(batch, meta.max_query_len, max_seq, dtype=torch.bool, device=q.device)
-    padded_mask[request, offset] = attention_mask(meta, sliding_window)
-    qg = padded_q.view(batch, meta.max_query_len, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,bshd->bhgqs", qg, keys.to(q.dtype)) * scale
-    scores = scores.masked_fill(~padded_mask[:, None, None], float("-inf"))
-    # Padding rows see no key at all; zero them instead of producing NaN.
+    uniform = num_tokens == batch * meta.max_query_len
+    if uniform:
+        padded_q = q.view(batch, meta.max_query_len, num_heads, head_dim)
+    else:
+        padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
+        padded_q[request, offset] = q
+    mask = _padded_mask(meta, sliding_window, request, offset)  # [B, max_query_len, S]
+    keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+    if return_lse:
+        out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask, scale)
+        lse = lse.transpose(1, 2)  # [B, max_query_len, H]
+        lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
+    else:
+        # torch's fused kernel (float32 accumulation for half types; GQA without repeating K/V). Rows
+        # that see no key come back as 0, which tests/backends/test_torch_ref.py holds it to.
+        out = F.scaled_dot_product_attention(
+            padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        )
+    out = out.transpose(1, 2)  # [B, max_query_len, H, Dv]
+    out = out.reshape(num_tokens, num_heads, -1) if uniform else out[request, offset]
+    return (out, lse) if return_lse else out
+
+
+def _explicit_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention written out, for the log-sum-exp: ``q [B, H, Q, D]``, ``keys/values [B, Hkv, S, *]``,
+    ``mask [B, Q, S]``; returns ``out [B, H, Q, Dv]`` and ``lse [B, H, Q]``."""
+    batch, num_heads, max_query, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(batch, num_kv_heads, group * max_query, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).view(batch, num_kv_heads, group, max_query, -1) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    # Rows that see no key at all: zero them instead of producing NaN.
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhgqs,bshd->bqhgd", probs, values.to(q.dtype))
-    out = out[request, offset].reshape(num_tokens, num_heads, -1)
-    if not return_lse:
-        return out
+    out = torch.matmul(probs.view(batch, num_kv_heads, group * max_query, -1), values)
     # A row that sees no key gets -inf (logsumexp of nothing), the merge's "contributes nothing".
-    lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)  # [B, Hkv, group, max_query_len]
-    lse = lse.permute(0, 3, 1, 2)[request, offset].reshape(num_tokens, num_heads)
-    return out, lse
+    lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)
+    return out.view(batch, num_heads, max_query, -1), lse.view(batch, num_heads, max_query)
+
+
+def _padded_mask(meta: AttentionMetadata, sliding_window: int | None, request: torch.Tensor,
+                 offset: torch.Tensor) -> torch.Tensor:
+    """The keys each query may see, ``[B, max_query_len, max_seq_len]`` (padding sees nothing)."""
+
+    def pad(mask: torch.Tensor) -> torch.Tensor:
+        if mask.shape[0] == meta.num_requests * meta.max_query_len:
+            return mask.view(meta.num_requests, meta.max_query_len, -1)
+        padded = mask.new_zeros(meta.num_requests, meta.max_query_len, mask.shape[-1])
+        padded[request, offset] = mask
+        return padded
+
+    layout = meta.derived(("torch_ref.padded_mask", sliding_window), lambda m: pad(_layout_mask(m, sliding_window)))
+    if meta.custom_mask is None:
+        return layout
+    return layout & pad(meta.custom_mask[:, : meta.max_seq_len])
 
 
 def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,3 +120,23 @@ def test_sliding_window_and_custom_mask_restrict_keys():
 def test_unknown_backend_lists_choices():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'; choose one of"):
         get_backend("nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_queries_that_see_no_key_get_zeros(dtype):
+    """A non-causal pool where one request holds no keys (KV sharing before the prompt is cached):
+    its queries read nothing there, 0 rather than NaN, while the other request still attends."""
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(4, 4, 2, 8, generator=g).to(dtype)
+    v_cache = torch.randn(4, 4, 2, 8, generator=g).to(dtype)
+    q = torch.randn(5, 4, 8, generator=g).to(dtype)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    meta = AttentionMetadata.build(query_lens=[3, 2], seq_lens=[6, 0], block_tables=table,
+                                   slot_mapping=torch.arange(5), block_size=4, causal=False)
+    backend = TorchBackend()
+    out = backend.attention(q, k_cache, v_cache, meta, scale=0.3)
+    out_lse, lse = backend.attention(q, k_cache, v_cache, meta, scale=0.3, return_lse=True)
+    assert not out.isnan().any() and torch.equal(out[3:], torch.zeros_like(out[3:]))
+    assert out[:3].abs().sum() > 0
+    assert torch.equal(lse[3:], torch.full_like(lse[3:], float("-inf")))
+    torch.testing.assert_close(out, out_lse, rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)

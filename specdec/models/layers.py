@@ -97,12 +97,25 @@ class RotaryEmbedding(nn.Module):
         # transformers evaluates them, so float64 runs agree with it to rounding.
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(scaling)
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[T, rotary_dim]`` at ``positions``, laid out like the channels they rotate
+        (``[c, c]`` halves for NeoX, ``c0 c0 c1 c1 ...`` pairs when interleaved)."""
+        cos, sin = self._tables.get((dtype, positions.device), (None, None))
+        last = int(positions.max())
+        if cos is None or cos.shape[0] <= last:
+            # Rows for every position up to a power of two past the largest seen: one lookup per
+            # forward afterwards instead of recomputing the angles.
+            rows = max(4096, 1 << last.bit_length())
+            cos, sin = self._compute_table(torch.arange(rows, device=positions.device), dtype)
+            self._tables[(dtype, positions.device)] = cos, sin
+        return cos[positions], sin[positions]
+
+    def _compute_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = (freqs.cos() * self.attention_scaling).to(dtype)
-        sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        return cos, sin
+        freqs = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
     def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``[T, heads, head_dim]`` tensor's first ``rotary_dim`` features by position."""
@@ -114,16 +127,18 @@ class RotaryEmbedding(nn.Module):
         return PositionedRotary(self, positions)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        """``x * cos + rotated(x) * sin`` on the first ``rotary_dim`` channels, with ``cos``/``sin`` from
+        :meth:`cos_sin`; ``rotated`` pairs each channel with its partner (negated in the first slot)."""
+        dim = self.rotary_dim
+        rot = x[..., :dim] if dim < x.shape[-1] else x
         if self.interleaved:
-            even, odd = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+            pairs = rot.unflatten(-1, (-1, 2))
+            rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
         else:
-            half = rot.shape[-1] // 2
-            first, second = rot[..., :half], rot[..., half:]
-            rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+            half = dim // 2
+            rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat((out, x[..., dim:]), dim=-1) if dim < x.shape[-1] else out
 
 
 class PositionedRotary:

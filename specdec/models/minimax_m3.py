@@ -79,13 +79,13 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 def rotate_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
     """NeoX RoPE on the first ``width`` channels of ``x [T, heads, D]`` using the first ``width``
-    columns of the duplicated ``[cos, cos]`` table (``cos``/``sin`` are ``[T, rotary_dim / 2]``).
+    columns of the duplicated ``[cos, cos]`` table (``cos``/``sin`` are ``[T, rotary_dim]``, as
+    :meth:`RotaryEmbedding.cos_sin` gives them).
 
     This is the reference's indexer rotation: it slices the main attention's table to its own head
     size, which equals ordinary partial RoPE whenever ``index_head_dim >= rotary_dim``.
     """
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :width]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :width]
+    cos, sin = cos[:, None, :width], sin[:, None, :width]
     rot, rest = x[..., :width], x[..., width:]
     half = width // 2
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)

@@ -180,7 +180,7 @@ def test_indexer_rope_follows_the_reference_table_slicing(index_dim, rotary):
     expected, _ = apply_rotary_pos_emb(
         x.transpose(0, 1)[None], x.transpose(0, 1)[None], emb_cos[None, ..., :index_dim], emb_sin[None, ..., :index_dim]
     )
-    got = rotate_prefix(x, cos, sin, min(index_dim, rotary))
+    got = rotate_prefix(x, emb_cos, emb_sin, min(index_dim, rotary))
     torch.testing.assert_close(got, expected[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
 
 

@@ -220,10 +220,13 @@ class LLMEngine:
         )
         query_lens = [len(t) for t in token_lists]
 
-        positions = [seq.num_tokens for seq in seqs]
-        sampling = SamplingBatch.from_params(
-            [seq.params for seq in seqs], positions, [seq.seed for seq in seqs], device=self.device
-        )
+        # An all-greedy step checks drafts with the greedy verifier, which reads no sampling parameters.
+        sampling = None
+        if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in seqs):
+            sampling = SamplingBatch.from_params(
+                [seq.params for seq in seqs], [seq.num_tokens for seq in seqs], [seq.seed for seq in seqs],
+                device=self.device,
+            )
         if drafts is None:
             last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             logits = self.model.compute_logits(output.hidden_states[last])
@@ -249,7 +252,7 @@ class LLMEngine:
             return None
         return proposal
 
-    def _verify(self, output, query_lens, num_drafts, drafts: Proposal, sampling: SamplingBatch):
+    def _verify(self, output, query_lens, num_drafts, drafts: Proposal, sampling: SamplingBatch | None):
         k = self.num_speculative_tokens
         # The last (num_drafts + 1) rows of each request's chunk are its verify rows.
         rows, end = [], 0
@@ -260,7 +263,7 @@ class LLMEngine:
         padded = torch.tensor([d + [-1] * (k - len(d)) for d in drafts.draft_token_ids], device=self.device)
         verifier = self.verifier
         if verifier is None:
-            verifier = self._greedy_verifier if bool(sampling.greedy.all()) else self._rejection
+            verifier = self._greedy_verifier if sampling is None else self._rejection
         result = verifier.verify(
             logits, padded, torch.tensor(num_drafts, device=self.device), drafts.draft_probs, sampling
         )

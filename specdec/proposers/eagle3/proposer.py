@@ -270,12 +270,12 @@ class Eagle3Proposer(ProposerBase):
     def _chain(self, seqs, limits, post, nxt, ready, drafts, batch_size):
         """Draft up to ``limits[r]`` tokens per ready request from its last catch-up row."""
         draft, k = self.draft, self.num_speculative_tokens
-        batch = SamplingBatch.from_params(
-            [s.params for s in seqs], [s.num_tokens for s in seqs], [s.seed for s in seqs], device=self.device
-        )
-        sampled = not bool(batch.greedy.all())
-        probs = None
+        sampled = not all(s.params.greedy for s in seqs)
+        batch, probs = None, None  # all-greedy steps draft the argmax and need neither
         if sampled:
+            batch = SamplingBatch.from_params(
+                [s.params for s in seqs], [s.num_tokens for s in seqs], [s.seed for s in seqs], device=self.device
+            )
             probs = torch.zeros(batch_size, k, draft.vocab_size, dtype=torch.float64, device=self.device)
         rows = list(range(len(seqs)))  # rows of ``batch`` still drafting
         step = 0
@@ -292,7 +292,7 @@ class Eagle3Proposer(ProposerBase):
                 return probs
             if len(keep) < len(rows):
                 index = torch.tensor(keep)
-                batch = batch.select(index)
+                batch = batch.select(index) if sampled else None
                 nxt = nxt[index.to(nxt.device)]
                 token_list = [token_list[n] for n in keep]
             rows = [rows[n] for n in keep]
@@ -301,7 +301,7 @@ class Eagle3Proposer(ProposerBase):
             positions = [[seqs[r].num_tokens - 2 + step + off] for r in rows]
             post, nxt = self._forward(requests, [[t] for t in token_list], positions, nxt)
 
-    def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch, step: int, sampled: bool):
+    def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch | None, step: int, sampled: bool):
         """Draft target ids for one position and, when any row samples, their q over the target vocab."""
         greedy_ids = self.draft.draft_to_target(draft_logits.argmax(dim=-1))
         if not sampled:

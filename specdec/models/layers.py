@@ -28,7 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused rms_norm: the same x * rsqrt(mean(x^2) + eps) * weight, rounded once at the end,
-        # in a third of the dispatched ops (bit for bit the unfused formula on CPU).
+        # in a third of the dispatched ops (bit for bit the unfused formula on CPU). It accumulates half
+        # types in float32 itself, so a weight of x's dtype needs no casts; (1 + weight) does.
+        if not self.unit_offset and self.weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         work = compute_dtype(x.dtype)
         weight = self.weight.to(work)
         if self.unit_offset:

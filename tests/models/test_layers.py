@@ -1,0 +1,59 @@
+"""The shared building blocks against their written-out formulas."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from specdec.models.layers import RMSNorm, RotaryEmbedding
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_float32_formula_rounded_once(dtype, unit_offset):
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, eps=1e-5, unit_offset=unit_offset)
+    norm.weight.data = torch.randn(96, generator=gen) * 0.3 + (0.0 if unit_offset else 1.0)
+    norm.to(dtype)
+    x = (torch.randn(7, 96, generator=gen) * 4).to(dtype)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    h = x.to(work)
+    weight = norm.weight.to(work) + (1.0 if unit_offset else 0.0)
+    expected = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dtype)
+    got = norm(x)
+    assert got.dtype == dtype
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    else:
+        # One rounding to dtype at the end: at most one unit in the last place apart.
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6,
+                                   atol=1e-6)
+
+
+def _config(rotary: int) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=rotary,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_table_rotates_like_the_pairwise_formula_at_any_position(interleaved):
+    """Positions past the first table (4096 rows) grow it; partial RoPE leaves the tail alone."""
+    head_dim, rotary_dim = 16, 8
+    rope = RotaryEmbedding(_config(head_dim), rotary_dim, interleaved=interleaved)
+    positions = torch.tensor([0, 5, 4095, 4096, 70000])
+    x = torch.randn(5, 3, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (got,) = rope(positions, x)
+    angles = positions.float()[:, None] * rope.inv_freq[None, :]
+    cos, sin = angles.cos().double()[:, None, :], angles.sin().double()[:, None, :]
+    rot = x[..., :rotary_dim]
+    if interleaved:
+        first, second = rot[..., 0::2], rot[..., 1::2]
+    else:
+        first, second = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+    new_first, new_second = first * cos - second * sin, second * cos + first * sin
+    expected = x.clone()
+    if interleaved:
+        expected[..., 0:rotary_dim:2], expected[..., 1:rotary_dim:2] = new_first, new_second
+    else:
+        expected[..., : rotary_dim // 2], expected[..., rotary_dim // 2 : rotary_dim] = new_first, new_second
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
@@ -60,10 +61,8 @@ class AttentionMetadata:
             )
         if any(q < 0 or s < 0 for q, s in zip(query_lens, seq_lens)):
             raise ValueError("query_lens and seq_lens must be >= 0")
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(list(query_lens), dtype=torch.int32).cumsum(0)
         return cls(
-            query_start_loc=qsl.to(device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
             block_tables=block_tables,
             slot_mapping=slot_mapping,

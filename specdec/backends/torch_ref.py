@@ -72,18 +72,19 @@ def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
 
 
 def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
-    """The keys each query may see by position alone (sequence length, causality, sliding window)."""
+    """The keys each query may see by position alone (sequence length, causality, sliding window), laid
+    out per request: bool ``[B, max_query_len, max_seq_len]``, padding rows seeing nothing."""
     device = meta.seq_lens.device
-    query_lens = meta.query_lens.long()
-    request, offset = _query_index(meta)
-    seq_lens = meta.seq_lens.long()[request]
-    query_pos = seq_lens - query_lens[request] + offset  # absolute position of each query
+    seq_lens = meta.seq_lens.long()[:, None, None]  # [B, 1, 1]
+    query_lens = meta.query_lens.long()[:, None, None]
+    slot = torch.arange(meta.max_query_len, device=device)[None, :, None]  # [1, Q, 1]
+    query_pos = seq_lens - query_lens + slot  # absolute position of each query
     key_pos = torch.arange(meta.max_seq_len, device=device)
-    mask = key_pos[None, :] < seq_lens[:, None]
+    mask = (key_pos < seq_lens) & (slot < query_lens)
     if meta.causal:
-        mask &= key_pos[None, :] <= query_pos[:, None]
+        mask = mask & (key_pos <= query_pos)
     if sliding_window is not None:
-        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        mask = mask & (key_pos > query_pos - sliding_window)
     return mask
 
 
@@ -104,15 +105,22 @@ def _masked_attention(
     not ``[T, S, ...]``. A query that sees no key gets 0 (and ``-inf`` LSE).
     """
     num_tokens, num_heads, head_dim = q.shape
-    batch, max_seq, num_kv_heads, _ = keys.shape
-    request, offset = _query_index(meta)
+    batch = keys.shape[0]
     uniform = num_tokens == batch * meta.max_query_len
+    request, offset = (None, None) if uniform else _query_index(meta)
     if uniform:
         padded_q = q.view(batch, meta.max_query_len, num_heads, head_dim)
     else:
         padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
         padded_q[request, offset] = q
-    mask = _padded_mask(meta, sliding_window, request, offset)  # [B, max_query_len, S]
+    mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
+    if meta.custom_mask is not None:  # [T, >= S], ANDed with the layout
+        custom = meta.custom_mask[:, : meta.max_seq_len]
+        if uniform:
+            custom = custom.view(batch, meta.max_query_len, -1)
+        else:
+            custom = custom.new_zeros(batch, meta.max_query_len, custom.shape[-1]).index_put_((request, offset), custom)
+        mask = mask & custom
     keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)  # [B, Hkv, S, D]
     if return_lse:
         out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask, scale)
@@ -146,23 +154,6 @@ def _explicit_attention(
     # A row that sees no key gets -inf (logsumexp of nothing), the merge's "contributes nothing".
     lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)
     return out.view(batch, num_heads, max_query, -1), lse.view(batch, num_heads, max_query)
-
-
-def _padded_mask(meta: AttentionMetadata, sliding_window: int | None, request: torch.Tensor,
-                 offset: torch.Tensor) -> torch.Tensor:
-    """The keys each query may see, ``[B, max_query_len, max_seq_len]`` (padding sees nothing)."""
-
-    def pad(mask: torch.Tensor) -> torch.Tensor:
-        if mask.shape[0] == meta.num_requests * meta.max_query_len:
-            return mask.view(meta.num_requests, meta.max_query_len, -1)
-        padded = mask.new_zeros(meta.num_requests, meta.max_query_len, mask.shape[-1])
-        padded[request, offset] = mask
-        return padded
-
-    layout = meta.derived(("torch_ref.padded_mask", sliding_window), lambda m: pad(_layout_mask(m, sliding_window)))
-    if meta.custom_mask is None:
-        return layout
-    return layout & pad(meta.custom_mask[:, : meta.max_seq_len])
 
 
 def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@
 
 Defaults: the zoo's ``llama-tiny`` target, ``draft-model-tiny`` as the small draft LM, and
 ``llama-tiny-eagle3`` as specdec's EAGLE3 head (``python scripts/build_zoo.py`` builds them).
-Every row runs the same validation-corpus prompts one at a time, greedy, in the same dtype:
+Every row runs the same validation-corpus prompts one at a time, greedy, in the same dtype, the rows
+taking turns prompt by prompt (``--repeats`` passes) so that all of them meet the same load:
 
 - transformers ``generate`` without and with ``assistant_model`` (its default dynamic number of
   assistant tokens, and a constant ``--k`` to match specdec's);
@@ -19,6 +20,7 @@ a near-tie; float64 makes them all equal).
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -36,42 +38,72 @@ def zoo_defaults() -> tuple[str, str, str | None]:
     return str(zoo_path("llama-tiny")), str(zoo_path("draft-model-tiny")), eagle3
 
 
-def run_transformers(target, assistant, prompts, max_tokens: int, k: int | None) -> tuple[list[list[int]], float]:
-    """Greedy ``generate`` per prompt; with ``assistant`` its assisted loop (``k``: constant draft length)."""
+def transformers_runner(target, assistant, max_tokens: int, k: int | None):
+    """Greedy ``generate`` of one prompt; with ``assistant`` its assisted loop (``k``: constant draft length)."""
     kwargs = {}
     if assistant is not None:
-        assistant.generation_config.num_assistant_tokens = k or 20  # transformers' default is 20
-        assistant.generation_config.num_assistant_tokens_schedule = "constant" if k else "heuristic"
-        assistant.generation_config.assistant_confidence_threshold = 0.0 if k else 0.4
+        config = copy.deepcopy(assistant.generation_config)
+        config.num_assistant_tokens = k or 20  # transformers' default is 20
+        config.num_assistant_tokens_schedule = "constant" if k else "heuristic"
+        config.assistant_confidence_threshold = 0.0 if k else 0.4
         kwargs["assistant_model"] = assistant
 
-    def one(prompt: list[int], new: int) -> list[int]:
+        def one(prompt: list[int], new: int = max_tokens) -> list[int]:
+            # The heuristic schedule adapts num_assistant_tokens on the assistant's config and carries it
+            # to the next call, as transformers intends; the two schedules share one assistant, so each
+            # keeps its own config across calls.
+            assistant.generation_config = config
+            return generate(prompt, new)
+    else:
+        def one(prompt: list[int], new: int = max_tokens) -> list[int]:
+            return generate(prompt, new)
+
+    def generate(prompt: list[int], new: int) -> list[int]:
         ids = torch.tensor([prompt])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=target.config.pad_token_id, **kwargs)
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=target.config.pad_token_id, **kwargs)
         return out[0, len(prompt):].tolist()
 
-    one(prompts[0], 4)  # warm-up
-    outputs, start = [], time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts:
-            outputs.append(one(prompt, max_tokens))
-    return outputs, sum(map(len, outputs)) / (time.perf_counter() - start)
+    return one, lambda: None
 
 
-def run_specdec(target: str, spec: dict | None, prompts, max_tokens: int, dtype: str):
+def specdec_runner(target: str, spec: dict | None, max_tokens: int, dtype: str):
+    """One prompt through an ``LLM`` (batch 1), and its mean acceptance length so far."""
     from specdec import LLM, SamplingParams
 
     llm = LLM(target, dtype=dtype, max_num_seqs=1, speculative_config=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    llm.reset_spec_stats()
-    outputs, start = [], time.perf_counter()
-    for prompt in prompts:
-        outputs.append(llm.generate([prompt], params, use_tqdm=False)[0].token_ids)
-    tps = sum(map(len, outputs)) / (time.perf_counter() - start)
-    stats = llm.spec_stats()
-    return outputs, tps, (stats.mean_acceptance_length if stats is not None and spec else None)
+
+    def one(prompt: list[int], new: int = max_tokens) -> list[int]:
+        sp = params if new == max_tokens else SamplingParams(max_tokens=new, ignore_eos=True)
+        return llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+
+    def tau() -> float | None:
+        stats = llm.spec_stats()
+        return stats.mean_acceptance_length if stats is not None and spec else None
+
+    return one, tau
+
+
+def run_interleaved(runners: dict, prompts: list[list[int]], repeats: int):
+    """Every runner on every prompt, taking turns prompt by prompt so that all meet the same load on a
+    shared machine, ``repeats`` times. Returns per runner: its outputs (last pass) and output tokens/s."""
+    for one, _ in runners.values():
+        one(prompts[0], 4)  # warm-up
+    elapsed = dict.fromkeys(runners, 0.0)
+    tokens = dict.fromkeys(runners, 0)
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        outputs = {label: [] for label in runners}
+        for prompt in prompts:
+            for label, (one, _) in runners.items():
+                start = time.perf_counter()
+                out = one(prompt)
+                elapsed[label] += time.perf_counter() - start
+                tokens[label] += len(out)
+                outputs[label].append(out)
+    return {label: (outputs[label], tokens[label] / elapsed[label]) for label in runners}
 
 
 def main() -> None:
@@ -85,6 +117,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, every run taking turns")
     args = parser.parse_args()
     if bool(args.target) != bool(args.draft_model):
         parser.error("give --target and --draft-model together (or neither, for the zoo)")
@@ -107,14 +140,9 @@ def main() -> None:
           f"{len(prompts)} prompts of {args.prompt_len} tokens, {args.max_tokens} new, batch 1, greedy, "
           f"{args.dtype}, {args.threads} threads")
 
-    rows: list[tuple[str, list[list[int]], float, float | None]] = []
-    reference, tps = run_transformers(target, None, prompts, args.max_tokens, None)
-    rows.append(("transformers generate", reference, tps, None))
-    for label, k in (("transformers assisted (dynamic)", None), (f"transformers assisted (k={args.k})", args.k)):
-        outputs, tps = run_transformers(target, assistant, prompts, args.max_tokens, k)
-        rows.append((label, outputs, tps, None))
-    assisted_best = max(rows[1][2], rows[2][2])
-
+    runners = {"transformers generate": transformers_runner(target, None, args.max_tokens, None),
+               "transformers assisted (dynamic)": transformers_runner(target, assistant, args.max_tokens, None),
+               f"transformers assisted (k={args.k})": transformers_runner(target, assistant, args.max_tokens, args.k)}
     specs: list[tuple[str, dict | None]] = [("specdec, no speculation", None),
                                              (f"specdec draft_model k={args.k}",
                                               {"method": "draft_model", "model": draft_dir,
@@ -124,8 +152,12 @@ def main() -> None:
                       {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": args.k}))
     specs.append((f"specdec ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k}))
     for label, spec in specs:
-        outputs, tps, tau = run_specdec(target_dir, spec, prompts, args.max_tokens, args.dtype)
-        rows.append((label, outputs, tps, tau))
+        runners[label] = specdec_runner(target_dir, spec, args.max_tokens, args.dtype)
+
+    results = run_interleaved(runners, prompts, args.repeats)
+    reference = results["transformers generate"][0]
+    assisted_best = max(tps for label, (_, tps) in results.items() if label.startswith("transformers assisted"))
+    rows = [(label, outputs, tps, runners[label][1]()) for label, (outputs, tps) in results.items()]
 
     header = f"{'run':<36} | {'tok/s':>7} | {'vs assisted':>11} | {'tau':>5} | same as transformers greedy"
     print(header)

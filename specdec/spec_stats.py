@@ -32,13 +32,18 @@ def _non_negative_list(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
         _non_negative(_inst, attr, v)
 
 
-def _as_counts(name: str, values: Counts) -> np.ndarray:
+def _as_counts(name: str, values: Counts) -> list[int]:
+    """The per-request counts as Python ints (a step has few requests: plain Python is cheaper than numpy)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{name} must be a 1-D sequence of ints (one per request), got {arr.dtype} {arr.shape}")
-    return arr.astype(np.int64, copy=False)
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+            raise ValueError(f"{name} must be a 1-D sequence of ints (one per request), got {values.dtype} {values.shape}")
+        return values.tolist()
+    counts = list(values)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in counts):
+        raise ValueError(f"{name} must be a 1-D sequence of ints (one per request), got {counts!r}")
+    return [int(v) for v in counts]
 
 
 @attrs.define
@@ -59,25 +64,23 @@ class SpecStats:
         """Add one step: per request, how many draft tokens it had and how many were accepted."""
         drafted = _as_counts("num_drafts_per_request", num_drafts_per_request)
         accepted = _as_counts("num_accepted_per_request", num_accepted_per_request)
-        if drafted.shape != accepted.shape:
+        if len(drafted) != len(accepted):
             raise ValueError(
                 f"num_drafts_per_request and num_accepted_per_request differ in length "
-                f"({drafted.size} vs {accepted.size}); pass one entry per request to both"
+                f"({len(drafted)} vs {len(accepted)}); pass one entry per request to both"
             )
-        if drafted.size == 0:
-            return
-        if (accepted < 0).any() or (accepted > drafted).any():
+        if any(not 0 <= a <= d for d, a in zip(drafted, accepted)):
             raise ValueError("each request needs 0 <= num_accepted <= num_drafts")
-        self.num_drafts += int((drafted > 0).sum())
-        self.num_draft_tokens += int(drafted.sum())
-        self.num_accepted_tokens += int(accepted.sum())
-        longest = int(drafted.max())
+        self.num_drafts += sum(d > 0 for d in drafted)
+        self.num_draft_tokens += sum(drafted)
+        self.num_accepted_tokens += sum(accepted)
+        longest = max(drafted, default=0)
         if longest > len(self.accepted_per_position):
             self.accepted_per_position.extend([0] * (longest - len(self.accepted_per_position)))
-        # A request with a accepted drafts contributes to positions 0..a-1: count(accepted > i).
-        reached = np.bincount(accepted, minlength=longest + 1)[::-1].cumsum()[::-1][1:]
-        for i, count in enumerate(reached.tolist()):
-            self.accepted_per_position[i] += count
+        # A request with a accepted drafts counts at positions 0..a-1.
+        for a in accepted:
+            for i in range(a):
+                self.accepted_per_position[i] += 1
 
     def reset(self) -> None:
         """Zero every counter (``accepted_per_position`` keeps its length)."""

@@ -11,7 +11,7 @@ from specdec.engine.blocks import choose_block_size
 from specdec.engine.model_runner import Chunk, ModelRunner
 from specdec.models.loader import load_model
 from specdec.proposers.base import Proposal, ProposerBase, ProposerContext
-from specdec.sampling.processing import target_probs
+from specdec.sampling.processing import greedy_ids, target_probs
 from specdec.sampling.random import STREAM_DRAFT, categorical
 from specdec.sampling.sampler import SamplingBatch
 
@@ -124,7 +124,7 @@ class DraftModelProposer(ProposerBase):
 def _draw(logits: torch.Tensor, batch: SamplingBatch, step: int, sampled: bool):
     """Draft tokens for one position and, when any row samples, their distributions q."""
     if not sampled:
-        return logits.argmax(dim=-1), None
+        return greedy_ids(logits), None
     q = target_probs(logits, batch.temperature, batch.top_k, batch.top_p)
     tokens = categorical(q, batch.seeds, batch.counters + step, STREAM_DRAFT)
     # Greedy rows' q is the one-hot of the argmax, so the draw above already picks it.

@@ -1,7 +1,7 @@
 """Sampling: parameters, the shared logits processing, counter-based RNG and the batch sampler."""
 
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.processing import target_probs
+from specdec.sampling.processing import greedy_ids, target_probs
 from specdec.sampling.random import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -21,6 +21,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "categorical",
+    "greedy_ids",
     "target_probs",
     "uniform",
 ]

@@ -15,6 +15,15 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of ``logits [..., V]`` (the first on ties), int64.
+
+    Half-precision rows are lifted to float32 first: the same answer (the cast is exact), and CPU's
+    half-precision argmax is several times slower than float32's.
+    """
+    return logits.to(_work_dtype(logits.dtype)).argmax(dim=-1)
+
+
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf the logits outside each row's top-k, then outside its top-p nucleus."""
     vocab = x.shape[-1]

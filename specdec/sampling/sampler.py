@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.processing import target_probs
+from specdec.sampling.processing import greedy_ids, target_probs
 from specdec.sampling.random import STREAM_SAMPLE, categorical, to_int64_seed
 
 
@@ -136,7 +136,7 @@ class Sampler:
             raise ValueError(
                 f"logits must be [N, V] with N = {len(batch)} (the batch's rows), got {tuple(logits.shape)}"
             )
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_ids(logits)
         sampled = ~batch.greedy
         if bool(sampled.any()):
             rows = sampled.nonzero().squeeze(1)

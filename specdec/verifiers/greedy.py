@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling.processing import greedy_ids
 from specdec.sampling.sampler import SamplingBatch
 from specdec.verifiers.base import VerifyResult, accepted_prefix, assemble, check_inputs
 
@@ -26,7 +27,7 @@ class GreedyVerifier:
         batch: SamplingBatch | None = None,
     ) -> VerifyResult:
         layout = check_inputs(target_logits, draft_token_ids, num_drafts, draft_probs, batch)
-        best = target_logits.argmax(dim=-1)[layout.row_index]  # [B, k + 1]
+        best = greedy_ids(target_logits)[layout.row_index]  # [B, k + 1]
         k = draft_token_ids.shape[1]
         num_accepted = accepted_prefix(layout.valid_draft & (layout.drafts == best[:, :k]))
         final = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)

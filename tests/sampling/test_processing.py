@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from specdec.sampling import target_probs
+from specdec.sampling import greedy_ids, target_probs
 
 
 def reference_probs(logits, temperature, top_k, top_p):
@@ -85,3 +85,12 @@ def test_shape_errors_are_named():
         target_probs(torch.zeros(3, 5), torch.ones(2), torch.zeros(3, dtype=torch.int64), torch.ones(3))
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         target_probs(torch.zeros(5), torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_greedy_ids_is_the_argmax_first_on_ties(dtype):
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)).to(dtype)
+    logits[1, 17] = logits[1, 250] = logits[1].max() + 1  # a tie: the first index wins
+    ids = greedy_ids(logits)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, logits.argmax(dim=-1)) and int(ids[1]) == 17

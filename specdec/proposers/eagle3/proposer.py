@@ -39,7 +39,7 @@ from specdec.engine.blocks import choose_block_size
 from specdec.models.base import ForwardContext
 from specdec.proposers.base import Proposal, ProposerBase, ProposerContext, StepFeedback
 from specdec.proposers.eagle3.loading import load_eagle3_draft
-from specdec.sampling.processing import target_probs
+from specdec.sampling.processing import greedy_ids, target_probs
 from specdec.sampling.random import STREAM_DRAFT, categorical
 from specdec.sampling.sampler import SamplingBatch
 
@@ -303,15 +303,15 @@ class Eagle3Proposer(ProposerBase):
 
     def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch | None, step: int, sampled: bool):
         """Draft target ids for one position and, when any row samples, their q over the target vocab."""
-        greedy_ids = self.draft.draft_to_target(draft_logits.argmax(dim=-1))
+        argmax = self.draft.draft_to_target(greedy_ids(draft_logits))
         if not sampled:
-            return greedy_ids, None
+            return argmax, None
         q = target_probs(self.draft.target_logits(draft_logits), batch.temperature, batch.top_k, batch.top_p)
         tokens = categorical(q, batch.seeds, batch.counters + step, STREAM_DRAFT)
         greedy = batch.greedy.to(tokens.device)
         if bool(greedy.any()):
             # Greedy rows keep the draft-vocabulary argmax (ties broken there) with a one-hot q.
-            tokens = torch.where(greedy, greedy_ids, tokens)
+            tokens = torch.where(greedy, argmax, tokens)
             q[greedy] = 0
             q[greedy.nonzero().squeeze(1), tokens[greedy]] = 1
         return tokens, q

@@ -82,15 +82,15 @@ class DraftModelProposer(ProposerBase):
         if not active:
             return Proposal(drafts)
         cache, primary = runner.cache, self.pool_names[0]
-        batch = SamplingBatch.from_params(
-            [seqs[i].params for i in active],
-            [seqs[i].num_tokens for i in active],
-            [seqs[i].seed for i in active],
-            device=runner.device,
-        )
-        sampled = not bool(batch.greedy.all())
-        probs = None
+        sampled = not all(seqs[i].params.greedy for i in active)
+        batch, probs = None, None  # all-greedy steps draft the argmax and need neither
         if sampled:
+            batch = SamplingBatch.from_params(
+                [seqs[i].params for i in active],
+                [seqs[i].num_tokens for i in active],
+                [seqs[i].seed for i in active],
+                device=runner.device,
+            )
             vocab = self.model.vocab_size
             probs = torch.zeros(len(seqs), self.num_speculative_tokens, vocab, dtype=torch.float64, device=runner.device)
 
@@ -113,15 +113,14 @@ class DraftModelProposer(ProposerBase):
             if not keep:
                 break
             rows = [rows[n] for n in keep]
-            if len(keep) < len(token_list):
-                index = torch.tensor(keep)
-                batch = batch.select(index)
+            if sampled and len(keep) < len(token_list):
+                batch = batch.select(torch.tensor(keep))
             out = runner.forward([Chunk(seqs[active[r]].seq_id, [drafts[active[r]][-1]]) for r in rows])
             logits = self.model.compute_logits(out.hidden_states)
         return Proposal(drafts, probs)
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch, step: int, sampled: bool):
+def _draw(logits: torch.Tensor, batch: SamplingBatch | None, step: int, sampled: bool):
     """Draft tokens for one position and, when any row samples, their distributions q."""
     if not sampled:
         return greedy_ids(logits), None

@@ -86,15 +86,20 @@ def resolve_checkpoints(args: argparse.Namespace) -> tuple[str, str]:
         ) from None
 
 
-def timed_generate(llm, prompts, params) -> tuple[list, float]:
-    """Each prompt alone (batch 1, where speculation pays most); outputs and output tokens/s."""
-    llm.generate(prompts[:1], params.__class__(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    llm.reset_spec_stats()
-    outputs, start = [], time.perf_counter()
+def timed_generate(llms: dict, prompts, params) -> dict[str, tuple[list, float]]:
+    """Each prompt alone (batch 1, where speculation pays most) through every engine in turn, so that
+    all meet the same load on a shared machine; per engine its outputs and output tokens/s."""
+    for llm in llms.values():
+        llm.generate(prompts[:1], params.__class__(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        llm.reset_spec_stats()
+    outputs = {name: [] for name in llms}
+    wall = dict.fromkeys(llms, 0.0)
     for prompt in prompts:
-        outputs += llm.generate([prompt], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return outputs, sum(len(o.token_ids) for o in outputs) / wall
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outputs[name] += llm.generate([prompt], params, use_tqdm=False)
+            wall[name] += time.perf_counter() - start
+    return {name: (outs, sum(len(o.token_ids) for o in outs) / wall[name]) for name, outs in outputs.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
                   max_model_len=args.max_model_len, max_num_seqs=1)
     print(f"target: {model}\ndraft:  {draft}  (eagle3, k={args.num_speculative_tokens}, block size {args.block_size}, "
           f"backend {args.attention_backend})")
-    baseline, base_tps = timed_generate(LLM(model, **common), prompts, params)
     llm = LLM(model, speculative_config=spec, **common)
-    outputs, spec_tps = timed_generate(llm, prompts, params)
+    timed = timed_generate({"baseline": LLM(model, **common), "spec": llm}, prompts, params)
+    (baseline, base_tps), (outputs, spec_tps) = timed["baseline"], timed["spec"]
     stats = llm.spec_stats()
 
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):

@@ -223,10 +223,7 @@ class LLMEngine:
         # An all-greedy step checks drafts with the greedy verifier, which reads no sampling parameters.
         sampling = None
         if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in seqs):
-            sampling = SamplingBatch.from_params(
-                [seq.params for seq in seqs], [seq.num_tokens for seq in seqs], [seq.seed for seq in seqs],
-                device=self.device,
-            )
+            sampling = SamplingBatch.for_sequences(seqs, self.device)
         if drafts is None:
             last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             logits = self.model.compute_logits(output.hidden_states[last])

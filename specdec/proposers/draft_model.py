@@ -85,12 +85,7 @@ class DraftModelProposer(ProposerBase):
         sampled = not all(seqs[i].params.greedy for i in active)
         batch, probs = None, None  # all-greedy steps draft the argmax and need neither
         if sampled:
-            batch = SamplingBatch.from_params(
-                [seqs[i].params for i in active],
-                [seqs[i].num_tokens for i in active],
-                [seqs[i].seed for i in active],
-                device=runner.device,
-            )
+            batch = SamplingBatch.for_sequences([seqs[i] for i in active], runner.device)
             vocab = self.model.vocab_size
             probs = torch.zeros(len(seqs), self.num_speculative_tokens, vocab, dtype=torch.float64, device=runner.device)
 

@@ -88,6 +88,13 @@ class SamplingBatch:
             counters=counters.reshape(-1).clone(),
         )
 
+    @classmethod
+    def for_sequences(cls, seqs: Sequence, device: torch.device | str | None = None) -> "SamplingBatch":
+        """One row per engine sequence: its params and seed, sampling the token after its last one."""
+        return cls.from_params(
+            [s.params for s in seqs], [s.num_tokens for s in seqs], [s.seed for s in seqs], device=device
+        )
+
     def __len__(self) -> int:
         return int(self.temperature.shape[0])
 

@@ -273,9 +273,7 @@ class Eagle3Proposer(ProposerBase):
         sampled = not all(s.params.greedy for s in seqs)
         batch, probs = None, None  # all-greedy steps draft the argmax and need neither
         if sampled:
-            batch = SamplingBatch.from_params(
-                [s.params for s in seqs], [s.num_tokens for s in seqs], [s.seed for s in seqs], device=self.device
-            )
+            batch = SamplingBatch.for_sequences(seqs, self.device)
             probs = torch.zeros(batch_size, k, draft.vocab_size, dtype=torch.float64, device=self.device)
         rows = list(range(len(seqs)))  # rows of ``batch`` still drafting
         step = 0

@@ -100,17 +100,21 @@ class RotaryEmbedding(nn.Module):
         # transformers evaluates them, so float64 runs agree with it to rounding.
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(scaling)
+        # cos/sin of every position (per dtype and device), so a forward only indexes them.
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.max_positions = int(getattr(self._config, "max_position_embeddings", None) or 4096)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` ``[T, rotary_dim]`` at ``positions``, laid out like the channels they rotate
         (``[c, c]`` halves for NeoX, ``c0 c0 c1 c1 ...`` pairs when interleaved)."""
         cos, sin = self._tables.get((dtype, positions.device), (None, None))
-        last = int(positions.max())
-        if cos is None or cos.shape[0] <= last:
-            # Rows for every position up to a power of two past the largest seen: one lookup per
-            # forward afterwards instead of recomputing the angles.
-            rows = max(4096, 1 << last.bit_length())
+        if positions.device.type == "cpu":
+            # Rows up to a power of two past the largest position seen (reading it is free on the CPU).
+            need = 1 << int(positions.max()).bit_length() if positions.numel() else 1
+        else:
+            need = self.max_positions  # one table up front: no host sync in the forward
+        if cos is None or cos.shape[0] < need:
+            rows = max(need, min(4096, self.max_positions))
             cos, sin = self._compute_table(torch.arange(rows, device=positions.device), dtype)
             self._tables[(dtype, positions.device)] = cos, sin
         return cos[positions], sin[positions]

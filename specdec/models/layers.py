@@ -100,51 +100,69 @@ class RotaryEmbedding(nn.Module):
         # transformers evaluates them, so float64 runs agree with it to rounding.
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(scaling)
-        # cos/sin of every position (per dtype and device), so a forward only indexes them.
-        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # cos, sin and the rotation's signed sin of every position (per dtype and device), so a forward
+        # only indexes them.
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
         self.max_positions = int(getattr(self._config, "max_position_embeddings", None) or 4096)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[T, rotary_dim]`` at ``positions``, laid out like the channels they rotate
-        (``[c, c]`` halves for NeoX, ``c0 c0 c1 c1 ...`` pairs when interleaved)."""
-        cos, sin = self._tables.get((dtype, positions.device), (None, None))
+    def _table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin, signed_sin)`` tables with a row for every position in ``positions``."""
+        tables = self._tables.get((dtype, positions.device))
         if positions.device.type == "cpu":
             # Rows up to a power of two past the largest position seen (reading it is free on the CPU).
             need = 1 << int(positions.max()).bit_length() if positions.numel() else 1
         else:
             need = self.max_positions  # one table up front: no host sync in the forward
-        if cos is None or cos.shape[0] < need:
+        if tables is None or tables[0].shape[0] < need:
             rows = max(need, min(4096, self.max_positions))
-            cos, sin = self._compute_table(torch.arange(rows, device=positions.device), dtype)
-            self._tables[(dtype, positions.device)] = cos, sin
+            tables = self._compute_table(torch.arange(rows, device=positions.device), dtype)
+            self._tables[(dtype, positions.device)] = tables
+        return tables
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[T, rotary_dim]`` at ``positions``, laid out like the channels they rotate
+        (``[c, c]`` halves for NeoX, ``c0 c0 c1 c1 ...`` pairs when interleaved)."""
+        cos, sin, _ = self._table(positions, dtype)
         return cos[positions], sin[positions]
 
-    def _compute_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`rotate` multiplies by at ``positions``: ``cos`` and the signed ``sin`` (negated on
+        the channels whose partner enters with a minus), both ``[T, 1, rotary_dim]``."""
+        cos, _, signed_sin = self._table(positions, dtype)
+        return cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)
+
+    def _compute_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         freqs = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
-        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        sign = torch.ones(self.rotary_dim, device=positions.device)
+        if self.interleaved:
+            sign[0::2] = -1.0
+        else:
+            sign[: self.rotary_dim // 2] = -1.0
+        return cos.to(dtype), sin.to(dtype), (sin * sign).to(dtype)
 
     def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``[T, heads, head_dim]`` tensor's first ``rotary_dim`` features by position."""
-        cos, sin = self.cos_sin(positions, tensors[0].dtype)
-        return tuple(self.rotate(t, cos, sin) for t in tensors)
+        cos, signed_sin = self.rotation(positions, tensors[0].dtype)
+        return tuple(self.rotate(t, cos, signed_sin) for t in tensors)
 
     def at(self, positions: torch.Tensor) -> "PositionedRotary":
         """This RoPE for one forward's ``positions``: every layer reuses one cos/sin table."""
         return PositionedRotary(self, positions)
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x * cos + rotated(x) * sin`` on the first ``rotary_dim`` channels, with ``cos``/``sin`` from
-        :meth:`cos_sin`; ``rotated`` pairs each channel with its partner (negated in the first slot)."""
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + partner(x) * signed_sin`` on the first ``rotary_dim`` channels, with the tables from
+        :meth:`rotation`. ``partner`` swaps each channel with the one it rotates with (the other half
+        for NeoX, the neighbour when interleaved); the sign lives in the table, so this is the
+        textbook ``x * cos + rotate_half(x) * sin`` bit for bit, in four ops."""
         dim = self.rotary_dim
         rot = x[..., :dim] if dim < x.shape[-1] else x
         if self.interleaved:
-            pairs = rot.unflatten(-1, (-1, 2))
-            rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+            partner = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         else:
-            half = dim // 2
-            rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+            partner = rot.roll(dim // 2, dims=-1)
+        out = rot * cos + partner * signed_sin
         return torch.cat((out, x[..., dim:]), dim=-1) if dim < x.shape[-1] else out
 
 
@@ -160,15 +178,22 @@ class PositionedRotary:
         self.rotary = rotary
         self.positions = positions
         self.rotary_dim = rotary.rotary_dim
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._memo("cos_sin", positions, dtype)
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._memo("rotation", positions, dtype)
+
+    def _memo(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions is not self.positions:
-            return self.rotary.cos_sin(positions, dtype)
-        if dtype not in self._tables:
-            self._tables[dtype] = self.rotary.cos_sin(positions, dtype)
-        return self._tables[dtype]
+            return getattr(self.rotary, kind)(positions, dtype)
+        tables = self._tables.get((kind, dtype))
+        if tables is None:
+            tables = self._tables[(kind, dtype)] = getattr(self.rotary, kind)(positions, dtype)
+        return tables
 
     def __call__(self, positions: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos, sin = self.cos_sin(positions, tensors[0].dtype)
-        return tuple(self.rotary.rotate(t, cos, sin) for t in tensors)
+        cos, signed_sin = self.rotation(positions, tensors[0].dtype)
+        return tuple(self.rotary.rotate(t, cos, signed_sin) for t in tensors)

@@ -33,6 +33,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    # The shortest seq_len (0 when unknown): with max_seq_len it tells a backend when no request is short.
+    min_seq_len: int = 0
     # Optional [T, max_seq_len] bool mask (True = may attend), for tree drafts; ANDed with causality.
     custom_mask: torch.Tensor | None = None
     # Index tensors derived from the layout, shared by every layer of the forward and by copies made
@@ -70,6 +72,7 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             causal=causal,
+            min_seq_len=min(seq_lens, default=0),
             custom_mask=custom_mask,
         )
 
@@ -86,16 +89,19 @@ class AttentionMetadata:
         return int(self.query_start_loc[-1])
 
     def derived(self, name: Hashable, compute: Callable[["AttentionMetadata"], Any]) -> Any:
-        """``compute(self)`` for a value that depends only on the query/sequence layout, computed once.
+        """``compute(self)`` for a value that depends only on the query/sequence layout and the block
+        tables, computed once.
 
-        Every layer of a forward reads the same metadata, so per-token indices and causal masks are
-        built once instead of once per layer. An entry is reused only by metadata with the very
-        ``query_start_loc`` / ``seq_lens`` tensors (and lengths, causality) it was computed from, so an
-        evolved copy with another layout recomputes; ``custom_mask`` must not enter ``compute``.
+        Every layer of a forward reads the same metadata, so per-token indices, key slots and causal
+        masks are built once instead of once per layer. An entry is reused only by metadata with the
+        very ``query_start_loc`` / ``seq_lens`` / ``block_tables`` tensors (and lengths, causality) it was
+        computed from, so an evolved copy with another layout recomputes; ``custom_mask`` must not
+        enter ``compute``.
         """
-        layout = (self.query_start_loc, self.seq_lens, self.max_query_len, self.max_seq_len, self.causal)
+        layout = (self.query_start_loc, self.seq_lens, self.block_tables, self.max_query_len, self.max_seq_len,
+                  self.causal)
         hit = self._derived.get(name)
-        if hit is not None and all(a is b for a, b in zip(hit[0][:2], layout[:2])) and hit[0][2:] == layout[2:]:
+        if hit is not None and all(a is b for a, b in zip(hit[0][:3], layout[:3])) and hit[0][3:] == layout[3:]:
             return hit[1]
         value = compute(self)
         self._derived[name] = (layout, value)

@@ -28,7 +28,7 @@ class TorchBackend:
         for key, value in values.items():
             cache = layer[key]
             flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, slot_mapping, value.to(cache.dtype))
+            flat.index_copy_(0, slot_mapping, value if value.dtype == cache.dtype else value.to(cache.dtype))
 
     def attention(
         self,
@@ -63,12 +63,20 @@ class TorchBackend:
 
 def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Each request's first ``max_seq_len`` cached tokens, ``[B, max_seq_len, *entry_shape]``."""
+    slots = meta.derived("torch_ref.key_slots", _key_slots)  # [B, max_seq_len]
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots.view(-1)).view(*slots.shape, *cache.shape[2:])
+
+
+def _key_slots(meta: AttentionMetadata) -> torch.Tensor:
+    """The slot of each request's first ``max_seq_len`` tokens, int64 ``[B, max_seq_len]`` (one gather
+    per layer reads them, instead of whole pages trimmed afterwards)."""
     bs = meta.block_size
     num_blocks = -(-meta.max_seq_len // bs)
     table = meta.block_tables[:, :num_blocks].long()
-    pages = cache[table]  # [B, num_blocks, bs, ...]
-    pages = pages.reshape(table.shape[0], num_blocks * bs, *cache.shape[2:])
-    return pages[:, : meta.max_seq_len]
+    offsets = torch.arange(bs, device=table.device)
+    slots = (table[:, :, None] * bs + offsets).view(table.shape[0], num_blocks * bs)
+    return slots[:, : meta.max_seq_len].contiguous()
 
 
 def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -86,6 +94,16 @@ def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.T
     if sliding_window is not None:
         mask = mask & (key_pos > query_pos - sliding_window)
     return mask
+
+
+def _sees_every_key(meta: AttentionMetadata, sliding_window: int | None) -> bool:
+    """Whether every query of a batch with ``max_query_len`` queries per request may see every key
+    (decode with equal lengths, or a non-causal pool of equal lengths): then no mask is needed."""
+    return (
+        0 < meta.min_seq_len == meta.max_seq_len
+        and (meta.max_query_len == 1 or not meta.causal)
+        and (sliding_window is None or sliding_window >= meta.max_seq_len)
+    )
 
 
 def _masked_attention(
@@ -113,16 +131,22 @@ def _masked_attention(
     else:
         padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
         padded_q[request, offset] = q
-    mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
+    mask = None if uniform and _sees_every_key(meta, sliding_window) else meta.derived(
+        ("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window)
+    )
     if meta.custom_mask is not None:  # [T, >= S], ANDed with the layout
         custom = meta.custom_mask[:, : meta.max_seq_len]
         if uniform:
             custom = custom.view(batch, meta.max_query_len, -1)
         else:
             custom = custom.new_zeros(batch, meta.max_query_len, custom.shape[-1]).index_put_((request, offset), custom)
-        mask = mask & custom
-    keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+        mask = custom if mask is None else mask & custom
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
     if return_lse:
+        if mask is None:
+            mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
         out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask, scale)
         lse = lse.transpose(1, 2)  # [B, max_query_len, H]
         lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
@@ -130,7 +154,8 @@ def _masked_attention(
         # torch's fused kernel (float32 accumulation for half types; GQA without repeating K/V). Rows
         # that see no key come back as 0, which tests/backends/test_torch_ref.py holds it to.
         out = F.scaled_dot_product_attention(
-            padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+            padded_q.transpose(1, 2), keys, values, attn_mask=None if mask is None else mask[:, None], scale=scale,
+            enable_gqa=True,
         )
     out = out.transpose(1, 2)  # [B, max_query_len, H, Dv]
     out = out.reshape(num_tokens, num_heads, -1) if uniform else out[request, offset]

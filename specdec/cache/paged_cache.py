@@ -251,12 +251,10 @@ class PagedKVCache:
         """Block tables of ``requests`` in ``pool`` as int32 ``[len(requests), max_blocks]``, 0-padded."""
         rows = [self._seqs.get(r, {}).get(pool) for r in requests]
         rows = [seq.blocks if seq else [] for seq in rows]
-        width = max((len(r) for r in rows), default=0)
-        table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
-        for i, blocks in enumerate(rows):
-            if blocks:
-                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        return table
+        width = max(max((len(r) for r in rows), default=0), 1)
+        return torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in rows], dtype=torch.int32).view(
+            len(rows), width
+        )
 
     def requests(self) -> list[Hashable]:
         return list(self._seqs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Mapping, Protocol, runtime_checkable
 
 import torch
@@ -66,6 +67,7 @@ class PagedPool:
         self.entries = {key: tuple(shape) for key, shape in entries.items()}
         self._num_layers = num_layers
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._layers: list[MappingProxyType] = []
 
     # ----- description -----
     @property
@@ -107,14 +109,18 @@ class PagedPool:
             )
             for key, shape in self.entries.items()
         }
+        # Every forward reads every layer: its views are made once, here.
+        self._layers = [
+            MappingProxyType({key: tensor[i] for key, tensor in self._tensors.items()}) for i in range(self._num_layers)
+        ]
 
-    def layer(self, index: int) -> dict[str, torch.Tensor]:
-        """The entries of one layer, each ``[num_blocks, block_size, *entry_shape]``."""
+    def layer(self, index: int) -> Mapping[str, torch.Tensor]:
+        """The entries of one layer, each ``[num_blocks, block_size, *entry_shape]`` (views of the storage)."""
         if self._tensors is None:
             raise RuntimeError(f"pool {self.name!r} has no storage yet: build the cache first")
         if not 0 <= index < self._num_layers:
             raise IndexError(f"pool {self.name!r} has {self._num_layers} layers, asked for layer {index}")
-        return {key: tensor[index] for key, tensor in self._tensors.items()}
+        return self._layers[index]
 
     def __repr__(self) -> str:
         return (

@@ -57,7 +57,7 @@ class ModelRunner:
                 query_lens=query_lens,
                 seq_lens=seq_lens,
                 block_tables=self.cache.block_tables(requests, name).to(self.device),
-                slot_mapping=torch.cat(slots[name]).to(self.device),
+                slot_mapping=_concat(slots[name]).to(self.device),
                 block_size=self.cache.pool(name).block_size,
             )
             for name in self.pool_names
@@ -67,6 +67,10 @@ class ModelRunner:
             [p for s, q in zip(starts, query_lens) for p in range(s, s + q)], dtype=torch.long, device=self.device
         )
         return ForwardContext(self.backend, self.cache, metadata), positions
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def last_token_indices(chunks: Sequence[Chunk]) -> torch.Tensor:

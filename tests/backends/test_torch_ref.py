@@ -91,6 +91,27 @@ def test_mla_attention_matches_dense(shape):
         start += ql
 
 
+@pytest.mark.parametrize("window", [None, 3, 64])
+def test_equal_length_decode_matches_dense_with_and_without_a_window(window):
+    """Every request the same length, one query each: the backend drops the mask unless a window cuts in."""
+    g = torch.Generator().manual_seed(11)
+    seq_lens, block_size, heads, kv_heads = [21, 21, 21], 4, 4, 2
+    num_blocks = 3 * math.ceil(21 / block_size) + 2
+    table, slots = paged_layout(seq_lens, block_size, num_blocks, g)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, 16, dtype=torch.float64, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, 16, dtype=torch.float64, generator=g)
+    q = torch.randn(3, heads, 16, dtype=torch.float64, generator=g)
+    meta = AttentionMetadata.build(query_lens=[1, 1, 1], seq_lens=seq_lens, block_tables=table,
+                                   slot_mapping=torch.stack([s[-1] for s in slots]), block_size=block_size)
+    out = TorchBackend().attention(q, k_cache, v_cache, meta, scale=0.25, sliding_window=window)
+    seen = 21 if window is None else min(window, 21)
+    for i, seq_slots in enumerate(slots):
+        k = k_cache.view(-1, kv_heads, 16)[seq_slots[21 - seen :]]
+        v = v_cache.view(-1, kv_heads, 16)[seq_slots[21 - seen :]]
+        ref = dense_attention(q[i : i + 1], k, v, 0.25, [seen - 1])
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-12, atol=1e-12)
+
+
 def test_write_kv_places_values_at_their_slots():
     backend = get_backend("torch")
     layer = {"k": torch.zeros(3, 4, 2, 5, dtype=torch.float64), "v": torch.zeros(3, 4, 2, 5, dtype=torch.float64)}

@@ -43,20 +43,70 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with separate ``gate_proj`` / ``up_proj`` (SwiGLU for ``"silu"``)."""
+class PackedLinear(nn.Linear):
+    """Several checkpoint linears over the same input, stacked along the output rows and run as one
+    GEMM (q/k/v, gate/up): at decode sizes a matmul costs its dispatch more than its arithmetic.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+    ``parts`` maps each checkpoint module name (``"q_proj"``) to its output width, in row order. The
+    checkpoint keeps the separate tensors: :func:`specdec.models.weights.load_named_weights` fills each
+    part's rows from ``<parent>.<part>.weight`` (and ``.bias``), and :meth:`split` cuts an output back
+    into the parts' views.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+        self._widths = list(self.parts.values())
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts of an output ``[..., out_features]``, each ``[..., width]`` (views)."""
+        return y.split(self._widths, dim=-1)
+
+    def part_rows(self) -> dict[str, slice]:
+        """The rows of the weight (and bias) each part fills."""
+        rows, start = {}, 0
+        for name, width in self.parts.items():
+            rows[name] = slice(start, start + width)
+            start += width
+        return rows
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (SwiGLU for ``"silu"``).
+
+    By default gate and up run as one :class:`PackedLinear` (``gate_up_proj``, loaded from the
+    checkpoint's ``gate_proj`` / ``up_proj``). ``packed=False`` keeps them as separate modules under
+    the checkpoint names, for modules that are trained and saved as they are (EAGLE3 heads).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        bias: bool = False,
+        *,
+        packed: bool = True,
+    ):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        if packed:
+            self.gate_up_proj = PackedLinear(
+                hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+            )
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.packed = packed
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         if hidden_act not in ACT2FN:
             raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
         self.act = None if hidden_act == "silu" else ACT2FN[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.packed:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         inner = silu_and_mul(gate, up) if self.act is None else self.act(gate) * up
         return self.down_proj(inner)
 

@@ -68,12 +68,20 @@ class LlamaAttention(GQASelfAttention):
     ) -> torch.Tensor:
         pool = bound_pool(self.pool)
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None:
+            # q and k sit side by side in the packed output: one rotation covers both.
+            qkv = self.qkv_proj(x)
+            qk_width = (heads + kv_heads) * dim
+            (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
+        else:
+            q, k, v = self.project_qkv(x)
+            q = self.q_norm(q.view(num_tokens, heads, dim))
+            k = self.k_norm(k.view(num_tokens, kv_heads, dim))
+            v = v.view(num_tokens, kv_heads, dim)
+            q, k = rotary(positions, q, k)
         out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -81,12 +89,13 @@ class LlamaAttention(GQASelfAttention):
 class LlamaMLP(GatedMLP):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU for the usual ``hidden_act="silu"``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, *, packed: bool = True):
         super().__init__(
             config.hidden_size,
             config.intermediate_size,
             getattr(config, "hidden_act", "silu"),
             bias=bool(getattr(config, "mlp_bias", False)),
+            packed=packed,
         )
 
 

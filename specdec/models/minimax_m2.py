@@ -46,9 +46,10 @@ class MiniMaxM2Attention(GQASelfAttention):
     ) -> torch.Tensor:
         pool = bound_pool(self.pool)
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x)).view(n, self.num_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x)).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = self.q_norm(q).view(n, self.num_heads, self.head_dim)
+        k = self.k_norm(k).view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

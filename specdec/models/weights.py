@@ -2,11 +2,13 @@
 
 Tensors stream in one at a time, so loading never holds a second copy of the weights. A checkpoint
 tensor may fill a whole parameter or a slice of one (:class:`SliceTarget`: per-expert tensors of
-stacked experts, split ``gate_proj`` / ``up_proj`` of a fused ``gate_up_proj``).
+stacked experts, split ``gate_proj`` / ``up_proj`` of a fused ``gate_up_proj``, the parts of every
+:class:`~specdec.models.layers.PackedLinear`, which are found by themselves).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import attrs
@@ -45,6 +47,7 @@ def load_named_weights(
     """
     targets = dict(module.named_parameters())
     targets.update(dict(module.named_buffers()))
+    packed = packed_part_targets(module)
     loaded: set[str] = set()
     filled: dict[str, tuple[SliceTarget, set[tuple]]] = {}  # sliced param -> (a target, piece keys)
     unexpected: list[str] = []
@@ -52,6 +55,8 @@ def load_named_weights(
         name = rename(ckpt_name) if rename else ckpt_name
         if name is None:
             continue
+        if isinstance(name, str) and name not in targets:
+            name = packed.get(name, name)
         sliced = isinstance(name, SliceTarget)
         target = targets.get(name.param if sliced else name)
         if target is None:
@@ -85,6 +90,25 @@ def load_named_weights(
             partial.append(f"{param} ({len(pieces) - len(absent)} of {len(pieces)} pieces): {_names(absent)}")
     if partial:
         raise CheckpointError(f"tensors missing from the checkpoint: parts of {'; '.join(partial)}")
+
+
+def packed_part_targets(module: nn.Module) -> dict[str, SliceTarget]:
+    """Where each part of every :class:`~specdec.models.layers.PackedLinear` in ``module`` loads from:
+    ``<parent>.q_proj.weight`` -> rows of ``<parent>.qkv_proj.weight`` (and the same for biases)."""
+    from specdec.models.layers import PackedLinear
+
+    targets: dict[str, SliceTarget] = {}
+    for path, child in module.named_modules():
+        if not isinstance(child, PackedLinear):
+            continue
+        parent = path.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        for suffix in ("weight", "bias") if child.bias is not None else ("weight",):
+            parts = [(f"{prefix}{part}.{suffix}", width) for part, width in child.parts.items()]
+            pieces = functools.partial(row_pieces, parts)
+            for (index, name) in pieces():
+                targets[name] = SliceTarget(f"{path}.{suffix}", index, pieces)
+    return targets
 
 
 def load_weights_with_slices(

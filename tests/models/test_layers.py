@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specdec.models.layers import RMSNorm, RotaryEmbedding
+from specdec.models.layers import PackedLinear, RMSNorm, RotaryEmbedding
+from specdec.models.loader import CheckpointError
+from specdec.models.weights import load_named_weights
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
@@ -57,3 +59,26 @@ def test_rope_table_rotates_like_the_pairwise_formula_at_any_position(interleave
         expected[..., : rotary_dim // 2], expected[..., rotary_dim // 2 : rotary_dim] = new_first, new_second
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
+
+
+class _TwoProjections(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.qkv_proj = PackedLinear(8, {"q_proj": 6, "k_proj": 2, "v_proj": 2}, bias=True)
+
+
+def test_packed_linear_loads_its_parts_and_computes_them_in_one_product():
+    gen = torch.Generator().manual_seed(3)
+    parts = {f"attn.{p}.{s}": torch.randn(rows, *((8,) if s == "weight" else ()), dtype=torch.float64, generator=gen)
+             for p, rows in (("q_proj", 6), ("k_proj", 2), ("v_proj", 2)) for s in ("weight", "bias")}
+    module = _TwoProjections().double()
+    load_named_weights(module, parts.items())
+    x = torch.randn(3, 8, dtype=torch.float64, generator=gen)
+    packed = module.attn.qkv_proj
+    for part, got in zip(("q_proj", "k_proj", "v_proj"), packed.split(packed(x))):
+        expected = x @ parts[f"attn.{part}.weight"].T + parts[f"attn.{part}.bias"]
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    parts.pop("attn.k_proj.bias")
+    with pytest.raises(CheckpointError, match=r"qkv_proj\.bias \(2 of 3 pieces\): attn\.k_proj\.bias"):
+        load_named_weights(_TwoProjections().double(), parts.items())

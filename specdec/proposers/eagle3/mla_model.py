@@ -50,7 +50,7 @@ class Eagle3MLADraft(Eagle3Head):
     is_mla = True
 
     def _build_layer(self, config: Eagle3DraftConfig) -> Eagle3DecoderLayer:
-        mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, packed=False)
         return Eagle3DecoderLayer(config, _mla_attention(config), mlp)
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:

@@ -54,7 +54,7 @@ class Eagle3LlamaDraft(Eagle3Head):
     is_mla = False
 
     def _build_layer(self, config: Eagle3DraftConfig) -> Eagle3DecoderLayer:
-        return Eagle3DecoderLayer(config, Eagle3Attention(config), LlamaMLP(config.hf_config))
+        return Eagle3DecoderLayer(config, Eagle3Attention(config), LlamaMLP(config.hf_config, packed=False))
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.hf_config, config.head_dim)

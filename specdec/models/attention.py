@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from specdec.models.dims import gqa_dims
-from specdec.models.layers import PackedLinear
+from specdec.models.layers import Linear, PackedLinear
 
 
 class GQASelfAttention(nn.Module):
@@ -26,7 +26,7 @@ class GQASelfAttention(nn.Module):
         hidden = config.hidden_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(hidden, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_width, hidden, bias=o_bias)
+        self.o_proj = Linear(q_width, hidden, bias=o_bias)
         self.pool: str | None = None  # bound by the model's kv_pools()
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

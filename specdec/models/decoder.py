@@ -14,12 +14,11 @@ import operator
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache.pool import AttentionPool, PagedPool
 from specdec.models.base import ForwardContext, ModelOutput
-from specdec.models.layers import RotaryEmbedding
+from specdec.models.layers import RotaryEmbedding, linear, onednn_prepack
 from specdec.models.weights import load_named_weights
 
 
@@ -66,6 +65,7 @@ class DecoderOnlyLM(nn.Module):
 
     required_block_size: int | None = None
     needs_custom_mask: bool = False
+    _prepacked_head: torch.Tensor | None = None
 
     def __init__(self, hf_config, model: nn.Module, text_config=None):
         super().__init__()
@@ -127,8 +127,19 @@ class DecoderOnlyLM(nn.Module):
         return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        return linear(hidden_states, self._output_weight(), prepacked=self._prepacked_head)
+
+    def _output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def prepack_weights(self) -> None:
+        """Prepack the LM head (tied or not) for serving; :func:`specdec.models.layers.prepack_weights`
+        calls this and each layer's own."""
+        self._prepacked_head = onednn_prepack(self._output_weight())
+
+    def _apply(self, fn, recurse: bool = True):
+        self._prepacked_head = None  # moved or cast: the copy no longer matches
+        return super()._apply(fn, recurse)
 
     def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
         return aux_capture_counts(aux_layer_ids, self.num_layers)

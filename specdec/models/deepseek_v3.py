@@ -33,7 +33,7 @@ from transformers.activations import ACT2FN
 from specdec.cache.pool import MLAPool, PagedPool
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
-from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
 from specdec.models.weights import SliceTarget
 
@@ -197,17 +197,17 @@ class DeepseekV3Attention(nn.Module):
         self.scale = s.softmax_scale
         qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
         if s.q_lora_rank is None:
-            self.q_proj = nn.Linear(s.hidden_size, s.num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(s.hidden_size, s.num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias)
+            self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias)
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, eps=_LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(s.q_lora_rank, s.num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, bias=s.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, eps=_LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
+        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
+        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
         self.pool: str | None = None  # bound by DeepseekV3ForCausalLM.kv_pools
 
     def forward(

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import CONFIG_MAPPING, AutoConfig
 
+from specdec.models.layers import prepack_weights
 from specdec.models.registry import model_class, supported_model_types
 
 _DTYPES = {
@@ -106,7 +107,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     """Build the specdec model for a checkpoint folder and load its weights.
 
     The model is created on the meta device, given uninitialised storage on ``device``, then filled
-    tensor by tensor from the safetensors files.
+    tensor by tensor from the safetensors files, and made ready to serve
+    (:func:`specdec.models.layers.prepack_weights`: prepack again after changing its weights).
     """
     # Check the architecture before transformers parses the config, so an unknown model_type gets
     # specdec's list of supported ones rather than transformers' "does not recognize" message.
@@ -130,4 +132,5 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     # Inference only: without grad tracking, outputs of inference_mode forwards can feed later ops.
     model.requires_grad_(False)
     model.eval()
+    prepack_weights(model)
     return model

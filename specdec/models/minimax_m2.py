@@ -23,7 +23,7 @@ from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts, bound_pool  # noqa: F401
 from specdec.models.dims import check_gqa, head_dim_of, rotary_dim_of  # noqa: F401
-from specdec.models.layers import RMSNorm, RotaryEmbedding
+from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, load_weights_with_slices  # noqa: F401
 
@@ -64,7 +64,7 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         num_experts = config.num_local_experts
         check_top_k(self.top_k, num_experts)
         activation = gated_activation(getattr(config, "hidden_act", "silu"))
-        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, config.hidden_size, config.intermediate_size, activation)
         # A parameter (not a buffer) so that a checkpoint without it is reported as incomplete.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)

@@ -38,7 +38,7 @@ from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.dims import rotary_dim_of
-from specdec.models.layers import RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.minimax_m2 import is_mtp_tensor
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, row_pieces
@@ -98,8 +98,8 @@ class MiniMaxM3DenseMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
         super().__init__()
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
@@ -153,8 +153,8 @@ class MiniMaxM3Indexer(nn.Module):
                 f"index_topk_blocks ({self.topk_blocks}) must be >= 1 and >= index_local_blocks "
                 f"({self.local_blocks}): the always-kept local blocks count against the top-k"
             )
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, self.head_dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.pool: str | None = None  # the ``.index`` pool, bound by kv_pools()

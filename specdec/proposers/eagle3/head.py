@@ -15,11 +15,10 @@ Subclasses supply the decoder layer's ``self_attn`` (MHA or MLA) and the cache p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.base import ForwardContext
-from specdec.models.layers import RMSNorm, RotaryEmbedding
+from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, linear, onednn_prepack
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 
 
@@ -62,6 +61,7 @@ class Eagle3Head(nn.Module):
     is_mla = False
     num_layers = 1
     required_block_size: int | None = None
+    _prepacked_head: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class Eagle3Head(nn.Module):
         self.draft_vocab_size = config.draft_vocab_size
         self.norm_output = config.norm_output
         hidden, eps, n = config.hidden_size, config.rms_norm_eps, len(self.aux_layer_ids)
-        self.fc = nn.Linear(n * target_hidden_size, hidden, bias=False)
+        self.fc = Linear(n * target_hidden_size, hidden, bias=False)
         # Checkpoint names: fc_norm.{i}.weight (EAGLE3.1) and input_norm.weight (norm_before_fc).
         self.fc_norm = nn.ModuleList(RMSNorm(target_hidden_size, eps=eps) for _ in range(n)) if config.fc_norm else None
         self.input_norm = RMSNorm(n * target_hidden_size, eps=eps) if config.norm_before_fc else None
@@ -175,7 +175,15 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[T, draft_vocab_size]`` of post-norm states."""
-        return F.linear(hidden_states, self.lm_head_weight)
+        return linear(hidden_states, self.lm_head_weight, prepacked=self._prepacked_head)
+
+    def prepack_weights(self) -> None:
+        """Prepack the LM head (its own or the target's) for serving, beside the layers' own."""
+        self._prepacked_head = onednn_prepack(self.lm_head_weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._prepacked_head = None  # moved or cast: the copy no longer matches
+        return super()._apply(fn, recurse)
 
     # ----- vocabulary -----
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.models.layers import prepack_weights
 from specdec.models.loader import CheckpointError, resolve_dtype
 from specdec.models.weights import load_named_weights
 from specdec.proposers.eagle3.checkpoint import canonical_name, checkpoint_shapes, iter_draft_tensors
@@ -79,6 +80,7 @@ def load_eagle3_draft(
     draft.share_target(target_model, None if plan["own_lm_head"] else _target_output_weight(target_model))
     draft.requires_grad_(False)
     draft.eval()
+    prepack_weights(draft)
     return draft
 
 

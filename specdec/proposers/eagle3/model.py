@@ -7,7 +7,7 @@ from torch import nn
 
 from specdec.cache.pool import AttentionPool, PagedPool
 from specdec.models.base import ForwardContext
-from specdec.models.layers import RotaryEmbedding
+from specdec.models.layers import Linear, RotaryEmbedding
 from specdec.models.llama import LlamaMLP
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3DecoderLayer, Eagle3Head
@@ -23,10 +23,10 @@ class Eagle3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         width, bias = 2 * config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.pool: str | None = None
         self.layer_idx = 0
 

@@ -85,21 +85,23 @@ def test_packed_linear_loads_its_parts_and_computes_them_in_one_product():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-def test_float32_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkpoint):
-    """load_model prepacks every Linear and the LM head on the CPU in float32; the products agree with
-    plain F.linear to float32 rounding, and a cast back to float64 runs unpacked, exactly."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkpoint, dtype):
+    """load_model prepacks every Linear and the LM head on the CPU in float32 and bfloat16; the products
+    agree with plain F.linear to rounding, and a cast to float64 runs unpacked, exactly."""
     from specdec.models.layers import Linear
     from specdec.models.loader import load_model
 
-    model = load_model(tiny_checkpoint("llama"), dtype="float32")
+    model = load_model(tiny_checkpoint("llama"), dtype=dtype)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.prepacked is not None for m in linears) and model._prepacked_head is not None
-    x = torch.randn(4, model.hidden_size, generator=torch.Generator().manual_seed(5))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    x = torch.randn(4, model.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
     for m in linears:
-        inp = torch.randn(3, m.in_features, generator=torch.Generator().manual_seed(m.in_features))
-        torch.testing.assert_close(m(inp), torch.nn.functional.linear(inp, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        inp = torch.randn(3, m.in_features, generator=torch.Generator().manual_seed(m.in_features)).to(dtype)
+        torch.testing.assert_close(m(inp), torch.nn.functional.linear(inp, m.weight, m.bias), **tol)
     head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-    torch.testing.assert_close(model.compute_logits(x), x @ head.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(x), x @ head.T, **tol)
     model.double()
     assert all(m.prepacked is None for m in linears) and model._prepacked_head is None
     assert torch.equal(model.compute_logits(x.double()), torch.nn.functional.linear(x.double(), head.double()))

@@ -127,41 +127,21 @@ class PackedLinear(Linear):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` (SwiGLU for ``"silu"``).
+    """``down(act(gate(x)) * up(x))`` (SwiGLU for ``"silu"``), gate and up run as one
+    :class:`PackedLinear` (``gate_up_proj``, filled from the checkpoint's ``gate_proj`` / ``up_proj``)."""
 
-    By default gate and up run as one :class:`PackedLinear` (``gate_up_proj``, loaded from the
-    checkpoint's ``gate_proj`` / ``up_proj``). ``packed=False`` keeps them as separate modules under
-    the checkpoint names, for modules that are trained and saved as they are (EAGLE3 heads).
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        hidden_act: str = "silu",
-        bias: bool = False,
-        *,
-        packed: bool = True,
-    ):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
-        if packed:
-            self.gate_up_proj = PackedLinear(
-                hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
-            )
-        else:
-            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
-            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.packed = packed
+        self.gate_up_proj = PackedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+        )
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         if hidden_act not in ACT2FN:
             raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
         self.act = None if hidden_act == "silu" else ACT2FN[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         inner = silu_and_mul(gate, up) if self.act is None else self.act(gate) * up
         return self.down_proj(inner)
 

@@ -89,13 +89,12 @@ class LlamaAttention(GQASelfAttention):
 class LlamaMLP(GatedMLP):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU for the usual ``hidden_act="silu"``)."""
 
-    def __init__(self, config, *, packed: bool = True):
+    def __init__(self, config):
         super().__init__(
             config.hidden_size,
             config.intermediate_size,
             getattr(config, "hidden_act", "silu"),
             bias=bool(getattr(config, "mlp_bias", False)),
-            packed=packed,
         )
 
 

@@ -9,7 +9,7 @@ stacked experts, split ``gate_proj`` / ``up_proj`` of a fused ``gate_up_proj``, 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import attrs
 import torch
@@ -109,6 +109,25 @@ def packed_part_targets(module: nn.Module) -> dict[str, SliceTarget]:
             for (index, name) in pieces():
                 targets[name] = SliceTarget(f"{path}.{suffix}", index, pieces)
     return targets
+
+
+def checkpoint_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_parameters`` under checkpoint names: each :class:`~specdec.models.layers.PackedLinear`
+    parameter comes as its parts (views of its rows, in order), so saving and initialising see the
+    tensors, and the order, a checkpoint has."""
+    from specdec.models.layers import PackedLinear
+
+    packed = {path: child for path, child in module.named_modules() if isinstance(child, PackedLinear)}
+    for name, param in module.named_parameters():
+        path, _, suffix = name.rpartition(".")
+        linear = packed.get(path)
+        if linear is None:
+            yield name, param
+            continue
+        parent = path.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        for part, rows in linear.part_rows().items():
+            yield f"{prefix}{part}.{suffix}", param[rows]
 
 
 def load_weights_with_slices(

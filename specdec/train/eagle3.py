@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specdec.models.base import default_aux_layer_ids
+from specdec.models.weights import checkpoint_parameters
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3Head
 from specdec.train.corpus import CorpusConfig, corpus_fingerprint, load_documents
@@ -331,7 +332,8 @@ def build_draft(config: dict, aux_ids: tuple[int, ...], target: HFTarget, vocab:
     torch.manual_seed(seed)
     draft = cls(parsed, aux_layer_ids=aux_ids, target_hidden_size=target.hidden_size, own_embedding=False,
                 own_lm_head=own_lm_head)
-    for name, param in draft.named_parameters():
+    # Checkpoint order and shapes (packed projections as their parts), so a seed draws what it always drew.
+    for name, param in checkpoint_parameters(draft):
         with torch.no_grad():
             if param.ndim >= 2:
                 param.normal_(0.0, 0.02)
@@ -668,7 +670,7 @@ def save_draft(draft: Eagle3Head, config: dict, vocab: DraftVocab, folder: str |
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, param in draft.named_parameters():
+    for name, param in checkpoint_parameters(draft):
         key = "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
         tensors[key] = param.detach().to(dtype).contiguous()
     if not vocab.is_full:

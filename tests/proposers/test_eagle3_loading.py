@@ -18,6 +18,7 @@ from eagle3_reference import (
 
 from specdec.cache import AttentionPool, MLAPool
 from specdec.models import CheckpointError, load_model
+from specdec.models.weights import checkpoint_parameters
 from specdec.proposers.eagle3 import Eagle3DraftConfig, Eagle3LlamaDraft, load_eagle3_draft
 
 
@@ -58,6 +59,11 @@ def refused(tmp_path, spec, target, match, **kwargs) -> str:
 MHA_LAYOUTS = ("eagle", "sglang", "sglang_model", "vllm", "vllm_model")
 
 
+def checkpoint_state(draft) -> dict[str, torch.Tensor]:
+    """The draft's tensors under checkpoint names (packed projections as their parts), buffers included."""
+    return {**dict(checkpoint_parameters(draft)), **dict(draft.named_buffers())}
+
+
 def test_every_layout_loads_the_same_tensors(target, tmp_path):
     spec = DraftSpec(fc_norm=True, draft_vocab=40, own_embed=True)
     weights = make_weights(spec, seed=3)
@@ -68,7 +74,7 @@ def test_every_layout_loads_the_same_tensors(target, tmp_path):
         )
         draft = load(tmp_path / layout, layout_spec, target, weights=weights)
         assert isinstance(draft, Eagle3LlamaDraft)
-        state = draft.state_dict()
+        state = checkpoint_state(draft)
         assert set(state) == set(weights), layout
         for name, tensor in weights.items():
             assert torch.equal(state[name], tensor.to(state[name].dtype)), (layout, name)
@@ -81,7 +87,7 @@ def test_mla_layout_loads(target, tmp_path):
     weights = make_weights(spec)
     draft = load(tmp_path, spec, target, weights=weights)
     assert draft.is_mla and draft.kv_lora_rank == 16 and draft.qk_rope_head_dim == 4
-    state = draft.state_dict()
+    state = checkpoint_state(draft)
     assert set(state) == set(weights)
     for name, tensor in weights.items():
         assert torch.equal(state[name], tensor.to(state[name].dtype)), name

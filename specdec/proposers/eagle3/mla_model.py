@@ -49,7 +49,7 @@ class Eagle3MLADraft(Eagle3Head):
     is_mla = True
 
     def _build_layer(self, config: Eagle3DraftConfig) -> Eagle3DecoderLayer:
-        mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, packed=False)
+        mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         return Eagle3DecoderLayer(config, _mla_attention(config), mlp)
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:

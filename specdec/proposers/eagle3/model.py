@@ -7,7 +7,7 @@ from torch import nn
 
 from specdec.cache.pool import AttentionPool, PagedPool
 from specdec.models.base import ForwardContext
-from specdec.models.layers import Linear, RotaryEmbedding
+from specdec.models.layers import Linear, PackedLinear, RotaryEmbedding
 from specdec.models.llama import LlamaMLP
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3DecoderLayer, Eagle3Head
@@ -23,10 +23,10 @@ class Eagle3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         width, bias = 2 * config.hidden_size, config.attention_bias
-        self.q_proj = Linear(width, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # One GEMM for q/k/v, filled from (and saved as) the checkpoint's q_proj / k_proj / v_proj.
+        self.qkv_proj = PackedLinear(width, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=bias)
+        self.o_proj = Linear(q_width, config.hidden_size, bias=bias)
         self.pool: str | None = None
         self.layer_idx = 0
 
@@ -36,9 +36,10 @@ class Eagle3Attention(nn.Module):
         if self.pool is None:
             raise RuntimeError("the draft's attention is not bound to a KV pool: call kv_pools() first")
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = ctx.attend(self.pool, self.layer_idx, q, k, v, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -54,7 +55,7 @@ class Eagle3LlamaDraft(Eagle3Head):
     is_mla = False
 
     def _build_layer(self, config: Eagle3DraftConfig) -> Eagle3DecoderLayer:
-        return Eagle3DecoderLayer(config, Eagle3Attention(config), LlamaMLP(config.hf_config, packed=False))
+        return Eagle3DecoderLayer(config, Eagle3Attention(config), LlamaMLP(config.hf_config))
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.hf_config, config.head_dim)

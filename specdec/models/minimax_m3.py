@@ -105,12 +105,12 @@ class MiniMaxM3DenseMLP(nn.Module):
         return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
 
 
-class MiniMaxM3Router(nn.Module):
-    """Router weight and its score-correction bias (``mlp.gate.*`` in the checkpoint)."""
+class MiniMaxM3Router(Linear):
+    """Router logits (a linear layer, so it serves prepacked too) and the score-correction bias
+    (``mlp.gate.*`` in the checkpoint)."""
 
     def __init__(self, config):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size))
+        super().__init__(config.hidden_size, config.num_local_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts), requires_grad=False)
 
 
@@ -133,7 +133,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         self.shared_experts = MiniMaxM3DenseMLP(config, config.shared_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight)
+        logits = self.gate(x)
         weights, experts = sigmoid_topk_routing(logits, self.gate.e_score_correction_bias, self.top_k)
         return self.experts(x, experts, weights).to(x.dtype) * self.routed_scaling_factor + self.shared_experts(x)
 

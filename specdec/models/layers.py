@@ -63,8 +63,9 @@ def onednn_prepack(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prepacked: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear``, through ``prepacked`` (:func:`onednn_prepack` of ``weight``) when given."""
-    if prepacked is not None:
+    """``F.linear``, through ``prepacked`` (:func:`onednn_prepack` of ``weight``) when given and the
+    weight needs no gradient (the prepacked copy is outside autograd)."""
+    if prepacked is not None and not weight.requires_grad:
         return torch.ops.mkldnn._linear_pointwise(x, prepacked, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

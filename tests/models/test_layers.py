@@ -102,6 +102,11 @@ def test_cpu_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkp
         torch.testing.assert_close(m(inp), torch.nn.functional.linear(inp, m.weight, m.bias), **tol)
     head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
     torch.testing.assert_close(model.compute_logits(x), x @ head.T, **tol)
+    # Weights that need gradients (fine-tuning a loaded model) go through autograd's F.linear.
+    probe = linears[0]
+    probe.weight.requires_grad_(True)
+    probe(torch.randn(2, probe.in_features).to(dtype)).sum().backward()
+    assert probe.weight.grad is not None and probe.weight.grad.abs().sum() > 0
     model.double()
     assert all(m.prepacked is None for m in linears) and model._prepacked_head is None
     assert torch.equal(model.compute_logits(x.double()), torch.nn.functional.linear(x.double(), head.double()))

@@ -15,6 +15,7 @@ import attrs
 import torch
 from torch import nn
 
+from specdec.models.layers import PackedLinear
 from specdec.models.loader import CheckpointError
 
 
@@ -95,8 +96,6 @@ def load_named_weights(
 def packed_part_targets(module: nn.Module) -> dict[str, SliceTarget]:
     """Where each part of every :class:`~specdec.models.layers.PackedLinear` in ``module`` loads from:
     ``<parent>.q_proj.weight`` -> rows of ``<parent>.qkv_proj.weight`` (and the same for biases)."""
-    from specdec.models.layers import PackedLinear
-
     targets: dict[str, SliceTarget] = {}
     for path, child in module.named_modules():
         if not isinstance(child, PackedLinear):
@@ -106,7 +105,7 @@ def packed_part_targets(module: nn.Module) -> dict[str, SliceTarget]:
         for suffix in ("weight", "bias") if child.bias is not None else ("weight",):
             parts = [(f"{prefix}{part}.{suffix}", width) for part, width in child.parts.items()]
             pieces = functools.partial(row_pieces, parts)
-            for (index, name) in pieces():
+            for index, name in pieces():
                 targets[name] = SliceTarget(f"{path}.{suffix}", index, pieces)
     return targets
 
@@ -115,8 +114,6 @@ def checkpoint_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor
     """``named_parameters`` under checkpoint names: each :class:`~specdec.models.layers.PackedLinear`
     parameter comes as its parts (views of its rows, in order), so saving and initialising see the
     tensors, and the order, a checkpoint has."""
-    from specdec.models.layers import PackedLinear
-
     packed = {path: child for path, child in module.named_modules() if isinstance(child, PackedLinear)}
     for name, param in module.named_parameters():
         path, _, suffix = name.rpartition(".")

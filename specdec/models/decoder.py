@@ -18,7 +18,7 @@ from torch import nn
 
 from specdec.cache.pool import AttentionPool, PagedPool
 from specdec.models.base import ForwardContext, ModelOutput
-from specdec.models.layers import RotaryEmbedding, linear, onednn_prepack
+from specdec.models.layers import PrepackedLMHead, RotaryEmbedding
 from specdec.models.weights import load_named_weights
 
 
@@ -56,7 +56,7 @@ class PreNormDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DecoderOnlyLM(nn.Module):
+class DecoderOnlyLM(PrepackedLMHead, nn.Module):
     """A decoder-only causal LM implementing :class:`specdec.models.CausalLM` around ``model``.
 
     ``text_config`` is the language-model part of a multimodal ``hf_config`` (default: the config
@@ -65,7 +65,6 @@ class DecoderOnlyLM(nn.Module):
 
     required_block_size: int | None = None
     needs_custom_mask: bool = False
-    _prepacked_head: torch.Tensor | None = None
 
     def __init__(self, hf_config, model: nn.Module, text_config=None):
         super().__init__()
@@ -126,20 +125,8 @@ class DecoderOnlyLM(nn.Module):
         aux = torch.cat(captured, dim=-1) if captured else None
         return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self._output_weight(), prepacked=self._prepacked_head)
-
     def _output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def prepack_weights(self) -> None:
-        """Prepack the LM head (tied or not) for serving; :func:`specdec.models.layers.prepack_weights`
-        calls this and each layer's own."""
-        self._prepacked_head = onednn_prepack(self._output_weight())
-
-    def _apply(self, fn, recurse: bool = True):
-        self._prepacked_head = None  # moved or cast: the copy no longer matches
-        return super()._apply(fn, recurse)
 
     def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:
         return aux_capture_counts(aux_layer_ids, self.num_layers)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specdec.models.base import ForwardContext
-from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, linear, onednn_prepack
+from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 
 
@@ -50,7 +50,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(PrepackedLMHead, nn.Module):
     """Base of the MHA and MLA drafts: everything but the attention (see the package docstring).
 
     ``own_embedding`` / ``own_lm_head`` say whether the checkpoint carries those tensors; otherwise
@@ -61,7 +61,6 @@ class Eagle3Head(nn.Module):
     is_mla = False
     num_layers = 1
     required_block_size: int | None = None
-    _prepacked_head: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -175,15 +174,10 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[T, draft_vocab_size]`` of post-norm states."""
-        return linear(hidden_states, self.lm_head_weight, prepacked=self._prepacked_head)
+        return super().compute_logits(hidden_states)
 
-    def prepack_weights(self) -> None:
-        """Prepack the LM head (its own or the target's) for serving, beside the layers' own."""
-        self._prepacked_head = onednn_prepack(self.lm_head_weight)
-
-    def _apply(self, fn, recurse: bool = True):
-        self._prepacked_head = None  # moved or cast: the copy no longer matches
-        return super()._apply(fn, recurse)
+    def _output_weight(self) -> torch.Tensor:
+        return self.lm_head_weight
 
     # ----- vocabulary -----
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

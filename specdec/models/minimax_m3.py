@@ -23,7 +23,6 @@ backend call per indexer head group, so any backend with ``custom_mask`` support
 
 from __future__ import annotations
 
-import functools
 import re
 
 import attrs
@@ -38,10 +37,10 @@ from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.dims import rotary_dim_of
-from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.minimax_m2 import is_mtp_tensor
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
-from specdec.models.weights import SliceTarget, row_pieces
+from specdec.models.weights import SliceTarget
 
 SPARSE_LAYER = "minimax_m3_sparse"
 FULL_LAYER = "full_attention"
@@ -93,12 +92,18 @@ def rotate_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: 
 
 
 class MiniMaxM3DenseMLP(nn.Module):
-    """Fused ``gate_up_proj`` then SwiGLU-OAI then ``down_proj`` (dense layers and the shared expert)."""
+    """Fused ``gate_up_proj`` then SwiGLU-OAI then ``down_proj`` (dense layers and the shared expert).
+
+    The checkpoint may hold ``gate_up_proj`` whole or split into ``gate_proj`` / ``up_proj``; the
+    :class:`PackedLinear` loads either.
+    """
 
     def __init__(self, config, intermediate_size: int):
         super().__init__()
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
+        )
         self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,7 +342,6 @@ _LANGUAGE_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _INDEXER_PARTS = re.compile(r"\.self_attn\.index_(q_proj|k_proj|q_norm|k_norm)\.")
-_SPLIT_GATE_UP = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
 
 
 class MiniMaxM3ForCausalLM(DecoderOnlyLM):
@@ -411,14 +415,4 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         sliced = expert_slice(name, text.num_local_experts, text.intermediate_size)
         if sliced is not None:
             return sliced
-        split = _SPLIT_GATE_UP.match(name)
-        if split is not None:
-            module, part = split.group(1), split.group(2)
-            shared = module.endswith(".shared_experts")
-            inter = text.shared_intermediate_size if shared else text.dense_intermediate_size
-            rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
-            pieces = functools.partial(
-                row_pieces, [(f"{module}.gate_proj.weight", inter), (f"{module}.up_proj.weight", inter)]
-            )
-            return SliceTarget(f"{module}.gate_up_proj.weight", (rows,), pieces)
         return name

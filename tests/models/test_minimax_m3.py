@@ -303,6 +303,24 @@ def test_unexpected_tensor_is_named(tmp_path, text_ckpt):
         load_model(path, dtype="float64")
 
 
+def test_split_gate_and_up_load_like_the_fused_tensor(tmp_path, text_ckpt):
+    """Dense and shared-expert MLPs saved as gate_proj / up_proj (the hub spelling) load the same rows."""
+
+    def split(tensors):
+        for name in [n for n in tensors if n.endswith("gate_up_proj.weight") and ".experts." not in n]:
+            gate, up = tensors.pop(name).chunk(2, dim=0)
+            module = name.removesuffix(".gate_up_proj.weight")
+            tensors[f"{module}.gate_proj.weight"], tensors[f"{module}.up_proj.weight"] = gate, up
+
+    fused = load_model(text_ckpt, dtype="float64")
+    split_model = load_model(_copy_with(tmp_path, text_ckpt, split), dtype="float64")
+    for (name, a), (_, b) in zip(fused.state_dict().items(), split_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    missing = _copy_with(tmp_path / "missing", text_ckpt, lambda t: (split(t), t.pop("model.layers.0.mlp.up_proj.weight")))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj\.weight \(1 of 2 pieces\): model\.layers\.0\.mlp\.up_proj"):
+        load_model(missing, dtype="float64")
+
+
 def test_shape_mismatch_is_named(tmp_path, text_ckpt):
     name = "model.layers.0.mlp.gate_up_proj.weight"
     path = _copy_with(tmp_path, text_ckpt, lambda t: t.update({name: torch.zeros(40, 32)}))

@@ -130,11 +130,11 @@ def measure(target: str, draft: str, k: int, batch: int, max_tokens: int, prompt
     plain = LLM(target, dtype=dtype, kv_cache_memory=memory, max_num_seqs=batch)
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
     llm = LLM(target, dtype=dtype, kv_cache_memory=memory, max_num_seqs=batch, speculative_config=spec)
-    forward = Timer(plain.engine.runner, "forward")
+    forward = Timer(plain.engine.runner, "run")
     proposer = llm.engine.proposer
     propose = Timer(proposer, "propose")
     draft_forward = Timer(proposer, "_forward")
-    target_forward = Timer(llm.engine.runner, "forward")
+    target_forward = Timer(llm.engine.runner, "run")
     for engine in (plain, llm):
         engine.generate(prompts[:1], warm, use_tqdm=False)
     llm.reset_spec_stats()

@@ -107,7 +107,8 @@ def draft_pool_bytes(target: str, draft: str, k: int, kv_sharing: bool, prompts,
 
     def on_step(feedback):
         for seq in feedback.seqs:
-            seen[seq.seq_id] = cache.blocks_held(seq.seq_id, "target")
+            if not seq.is_finished:  # a finished request's pages are already back
+                seen[seq.seq_id] = cache.blocks_held(seq.seq_id, "target")
         return original_step(feedback)
 
     proposer.on_step = on_step

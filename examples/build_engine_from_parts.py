@@ -17,7 +17,7 @@ from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
 from specdec.engine import LLMEngine, Scheduler, SchedulerConfig
 from specdec.models import load_model
-from specdec.proposers.ngram_proposer import NgramProposer
+from specdec.proposers.ngram import NgramProposer
 from specdec.sampling import Sampler, SamplingParams
 from specdec.verifiers import GreedyVerifier
 

@@ -12,6 +12,11 @@ import re
 import sys
 from typing import Sequence
 
+import attrs
+
+from specdec.bench.config import BenchConfig
+from specdec.engine_args import EngineArgs, add_cli_args, cli_values
+
 EXIT_USAGE = 2
 
 _EPILOG = """\
@@ -55,15 +60,6 @@ def _parse_ids(text: str, parser: argparse.ArgumentParser) -> list[int]:
     return [int(p) for p in parts]
 
 
-def _byte_size(text: str) -> int:
-    """``1048576``, ``64M``, ``2G``, ``512K`` (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes like 67108864 or 64M, got {text!r}")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[match.group(2).lower()]
-    return int(match.group(1)) * scale
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="specdec",
@@ -77,23 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = gen.add_argument_group("model and engine")
-    model.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + *.safetensors)")
-    model.add_argument(
-        "--speculative-config",
-        metavar="STR",
-        help="'method:key=value,...' or a JSON object; methods: ngram, draft_model, eagle3, ... (default: none)",
-    )
-    model.add_argument("--attention-backend", default="torch", metavar="NAME", help="torch | triton | aiter (default: torch)")
-    model.add_argument(
-        "--dtype", default="auto", metavar="NAME", help="auto | float32 | float64 | bfloat16 | float16 (default: auto)"
-    )
-    model.add_argument("--block-size", type=int, metavar="N", help="target KV page size (default: the model's/backend's)")
-    model.add_argument(
-        "--kv-cache-memory", type=_byte_size, metavar="BYTES", help="bytes for all KV pools, e.g. 67108864 or 64M"
-    )
-    model.add_argument("--max-model-len", type=int, metavar="N", help="prompt + output tokens per request")
-    model.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once (default: 256)")
+    add_cli_args(gen.add_argument_group("model and engine"), EngineArgs)
 
     prompts = gen.add_argument_group("prompts (at least one; repeat to batch, order is kept)")
     prompts.add_argument("--prompt", dest="prompts", action=_PromptAction, const="text", metavar="TEXT",
@@ -106,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
     sampling.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1 = off)")
     sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default: 0 = off)")
-    sampling.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the run's sampling (default: 0)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
 
     out = gen.add_argument_group("output")
@@ -139,40 +118,16 @@ def _add_bench_parser(sub) -> None:
         epilog=_BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = bench.add_argument_group("model and engine")
-    model.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + *.safetensors)")
-    model.add_argument("--speculative-config", metavar="STR",
-                       help="the spec run's config, 'method:key=value,...' or JSON (default: baseline only)")
-    model.add_argument("--attention-backend", default="torch", metavar="NAME",
-                       help="torch | triton | aiter (default: torch)")
-    model.add_argument("--dtype", default="auto", metavar="NAME",
-                       help="auto | float32 | float64 | bfloat16 | float16 (default: auto)")
-    model.add_argument("--block-size", type=int, metavar="N",
-                       help="target KV page size (default: the model's/backend's)")
-    model.add_argument("--kv-cache-memory", type=_byte_size, metavar="BYTES", help="bytes for all KV pools, e.g. 64M")
-    model.add_argument("--max-model-len", type=int, metavar="N",
-                       help="prompt + output tokens per request (default: longest prompt + --output-len)")
-    model.add_argument("--max-num-seqs", type=int, metavar="N",
-                       help="engine's running requests (default: --concurrency)")
-
-    work = bench.add_argument_group("workload")
-    work.add_argument("--dataset", metavar="FILE.jsonl",
-                      help='prompts, one {"prompt": str} or {"prompt_token_ids": [...]} a line (default: synthetic)')
-    work.add_argument("--num-prompts", type=int, metavar="N",
-                      help="prompts to run (default: 16 synthetic, or the whole dataset)")
-    work.add_argument("--input-len", type=int, default=64, metavar="N", help="synthetic prompt length (default: 64)")
-    work.add_argument("--output-len", type=int, default=64, metavar="N",
-                      help="tokens generated per request (default: 64)")
-    work.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default: 4)")
-    work.add_argument("--warmup", type=int, default=1, metavar="N", help="uncounted requests run first (default: 1)")
-    work.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
-    work.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the prompts and sampling (default: 0)")
+    engine = tuple(attrs.fields_dict(EngineArgs))
+    add_cli_args(bench.add_argument_group("model and engine"), BenchConfig, only=engine)
+    add_cli_args(bench.add_argument_group("workload"), BenchConfig, skip=engine)
 
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from specdec.llm import LLM
+    from specdec.outputs import StepOutput, trace_entries
     from specdec.sampling.params import SamplingParams
 
     if not args.prompts:
@@ -184,19 +139,9 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(
-        model=args.model,
-        speculative_config=args.speculative_config,
-        attention_backend=args.attention_backend,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
-    llm.engine.record_trace = args.trace
-    outputs = llm.generate(args.prompts, params)
+    llm = LLM.from_engine_args(EngineArgs(**cli_values(args, EngineArgs)))
+    steps: list[StepOutput] = []
+    outputs = llm.generate(args.prompts, params, on_step=steps.append if args.trace else None)
     stats = llm.spec_stats()
     if args.json:
         result = {
@@ -204,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
             "spec_stats": stats.as_dict() if stats is not None else None,
         }
         if args.trace:
-            result["trace"] = llm.engine.trace
+            result["trace"] = trace_entries(steps)
         print(json.dumps(result))
         return 0
     for i, o in enumerate(outputs):
@@ -213,32 +158,15 @@ def _generate(args: argparse.Namespace) -> int:
     if stats is not None:
         print("spec_stats: " + json.dumps(stats.as_dict()))
     if args.trace:
-        for entry in llm.engine.trace:
+        for entry in trace_entries(steps):
             print("trace: " + json.dumps(entry))
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specdec.bench import BenchConfig, format_table, progress_to_stderr, run_benchmark
+    from specdec.bench import format_table, progress_to_stderr, run_benchmark
 
-    config = BenchConfig(
-        model=args.model,
-        speculative_config=args.speculative_config,
-        attention_backend=args.attention_backend,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        dataset=args.dataset,
-        concurrency=args.concurrency,
-        warmup=args.warmup,
-        seed=args.seed,
-        temperature=args.temperature,
-    )
+    config = BenchConfig(**cli_values(args, BenchConfig))
     result = run_benchmark(config, progress=progress_to_stderr)
     print(json.dumps(result) if args.json else format_table(result))
     return 0

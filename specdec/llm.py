@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specdec.backends import get_backend
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.engine.engine import LLMEngine, register_pools
+from specdec.engine.engine import LLMEngine, config_max_len
+from specdec.engine.pools import register_pools
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.engine_args import EngineArgs
 from specdec.models.loader import load_model
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, StepOutput
+from specdec.proposers.registry import create_proposer
 from specdec.sampling.params import SamplingParams
 from specdec.tokenizer import decode, encode, load_tokenizer
 
@@ -21,61 +24,38 @@ DEFAULT_MEMORY_FRACTION = 0.25
 class LLM:
     """Generate from a Hugging Face-style checkpoint folder, optionally with speculative decoding.
 
-    Arguments follow vLLM's ``LLM``:
-
-    - ``model``: folder with ``config.json`` and ``*.safetensors`` (and tokenizer files for text).
-    - ``speculative_config``: None, ``"method:key=value,..."``, a dict or a ``SpeculativeConfig``.
-    - ``attention_backend``: ``"torch"``, ``"triton"`` or ``"aiter"``.
-    - ``dtype``: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``.
-    - ``block_size``: the target's KV page size; None = what the architecture and backend prefer.
-    - ``kv_cache_memory``: bytes for all KV pools together. None = room for ``max_num_seqs``
-      requests of ``max_model_len`` tokens, capped at a quarter of the memory available at
-      start-up (but never below one full-length request).
-    - ``max_num_seqs``: requests running at once.
-    - ``max_model_len``: prompt + output tokens per request; None = the config's
-      ``max_position_embeddings``.
-    - ``seed``: seeds requests that have no ``SamplingParams.seed`` (reproducible runs).
+    ``LLM(model, speculative_config=None, **kwargs)`` takes the fields of
+    :class:`~specdec.engine_args.EngineArgs` as keywords (vLLM's names: ``attention_backend``,
+    ``dtype``, ``block_size``, ``kv_cache_memory``, ``max_num_seqs``, ``max_model_len``, ``seed``), each
+    validated before anything loads; :meth:`from_engine_args` takes a built ``EngineArgs``.
     """
 
-    def __init__(
-        self,
-        model: str,
-        speculative_config=None,
-        attention_backend: str = "torch",
-        dtype: str = "auto",
-        block_size: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        seed: int = 0,
-    ):
-        if kv_cache_memory is not None and not (
-            isinstance(kv_cache_memory, int) and not isinstance(kv_cache_memory, bool) and kv_cache_memory > 0
-        ):
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes or None, got {kv_cache_memory!r}")
-        if not (isinstance(seed, int) and not isinstance(seed, bool)):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        spec = None
-        if speculative_config is not None:
-            from specdec.proposers.config import parse_speculative_config
+    def __init__(self, model: str, speculative_config=None, **kwargs):
+        args = EngineArgs.from_kwargs("LLM", model=model, speculative_config=speculative_config, **kwargs)
+        self._build(args)
 
-            spec = parse_speculative_config(speculative_config)
-        backend = get_backend(attention_backend)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs))
-        target = load_model(model, dtype=dtype)
-        self.max_model_len = _max_model_len(target, max_model_len)
-        self.tokenizer = load_tokenizer(model)
-        proposer = None
-        if spec is not None:
-            from specdec.proposers.registry import create_proposer
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._build(args)
+        return llm
 
-            proposer = create_proposer(spec)
+    def _build(self, args: EngineArgs) -> None:
+        backend = get_backend(args.attention_backend)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs))
+        target = load_model(args.model, dtype=args.dtype)
+        self.max_model_len = _max_model_len(target, args.max_model_len)
+        self.tokenizer = load_tokenizer(args.model)
+        spec = args.speculative_config
+        proposer = create_proposer(spec) if spec is not None else None
 
         # Registered before the budget is fixed, so the default can be sized from the real pools.
-        cache = PagedKVCache(kv_cache_memory or 1)
-        register_pools(target, cache, backend, proposer, block_size=block_size, max_model_len=self.max_model_len)
-        if kv_cache_memory is None:
-            cache.memory_budget = default_kv_cache_memory(cache, max_num_seqs, self.max_model_len)
+        cache = PagedKVCache(args.kv_cache_memory or 1)
+        pools = register_pools(
+            target, cache, backend, proposer, block_size=args.block_size, max_model_len=self.max_model_len
+        )
+        if args.kv_cache_memory is None:
+            cache.memory_budget = default_kv_cache_memory(cache, args.max_num_seqs, self.max_model_len)
         self.engine = LLMEngine(
             target,
             cache,
@@ -84,8 +64,10 @@ class LLM:
             proposer=proposer,
             max_model_len=self.max_model_len,
             eos_token_ids=_eos_ids(target.hf_config),
-            seed=seed,
+            seed=args.seed,
+            pools=pools,
         )
+        self.engine_args = args
         self.speculative_config = spec
 
     def generate(
@@ -94,12 +76,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        on_step: Callable[[StepOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in input order.
 
         ``prompts`` are strings (needs a tokenizer in the model folder) or lists of token ids.
         ``sampling_params`` is one ``SamplingParams`` for all, a list with one per prompt, or None
         (the defaults). ``use_tqdm``: a progress bar; None = only when stderr is a terminal.
+        ``on_step``: called with every engine step's :class:`~specdec.outputs.StepOutput` (per request:
+        the tokens it emitted, its drafts and how many were accepted), e.g. to trace acceptance.
         Every request is checked before any runs; one that can never fit the KV cache raises
         ``ValueError`` naming ``kv_cache_memory``.
         """
@@ -113,7 +98,7 @@ class LLM:
             params = [sampling_params] * len(ids)
         else:
             params = list(sampling_params)
-        seqs = self.engine.generate(ids, params, use_tqdm=use_tqdm)
+        seqs = self.engine.generate(ids, params, use_tqdm=use_tqdm, on_step=on_step)
         return [
             RequestOutput(
                 prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -164,13 +149,9 @@ def _available_memory() -> int:
 
 
 def _max_model_len(model, requested: int | None) -> int:
-    limit = getattr(model.hf_config, "max_position_embeddings", None)
     if requested is None:
-        if not limit:
-            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-        return int(limit)
-    if not (isinstance(requested, int) and not isinstance(requested, bool) and requested >= 2):
-        raise ValueError(f"max_model_len must be an int >= 2 or None, got {requested!r}")
+        return config_max_len(model)
+    limit = getattr(model.hf_config, "max_position_embeddings", None)
     if limit and requested > limit:
         raise ValueError(
             f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); lower it"

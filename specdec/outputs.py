@@ -1,6 +1,8 @@
-"""What ``LLM.generate`` returns for each prompt."""
+"""What front ends read: ``LLM.generate``'s result per prompt, and what each engine step did."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import attrs
 
@@ -28,3 +30,60 @@ class RequestOutput:
             "text": self.text,
             "finish_reason": self.finish_reason,
         }
+
+
+@attrs.frozen
+class RequestStep:
+    """One request's part of an engine step (what :meth:`LLMEngine.step` returns per request).
+
+    - ``request_id``: the engine's id of the request; ``index``: its position in the caller's input.
+    - ``new_token_ids``: the tokens appended to its output this step (accepted drafts plus one token,
+      cut after a stop token); ``draft_token_ids``: the drafts it was given (empty without), of which
+      the first ``num_accepted`` were accepted.
+    - ``finish_reason``: None while it runs, else ``"stop"``, ``"length"`` or ``"abort"``.
+    """
+
+    request_id: int
+    index: int
+    new_token_ids: tuple[int, ...]
+    draft_token_ids: tuple[int, ...] = ()
+    num_accepted: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class StepOutput:
+    """What one engine step did: ``step`` counts the target forwards before it (a step that ran no
+    forward, everything preempted, reports no requests)."""
+
+    step: int
+    requests: tuple[RequestStep, ...] = ()
+
+    @property
+    def finished(self) -> tuple[RequestStep, ...]:
+        return tuple(r for r in self.requests if r.finished)
+
+
+def trace_entries(steps: Sequence[StepOutput]) -> list[dict]:
+    """One dict per step and request that had drafts, in order (the CLI's ``--trace``): ``step`` (counted
+    from the first of ``steps``), ``request`` (input index), ``draft_token_ids``, ``num_accepted``,
+    ``emitted_token_ids``."""
+    if not steps:
+        return []
+    first = steps[0].step
+    return [
+        {
+            "step": out.step - first,
+            "request": r.index,
+            "draft_token_ids": list(r.draft_token_ids),
+            "num_accepted": r.num_accepted,
+            "emitted_token_ids": list(r.new_token_ids),
+        }
+        for out in steps
+        for r in out.requests
+        if r.draft_token_ids
+    ]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Iterator
 
 import attrs
 import torch
 
 from specdec.cache.allocator import BlockAllocator
 from specdec.cache.pool import PagedPool
+from specdec.validation import is_int
 
 
 class KVCacheError(RuntimeError):
@@ -173,12 +175,44 @@ class PagedKVCache:
             seq = seqs.setdefault(name, _PoolSequence())
             for _ in range(need):
                 seq.blocks.append(allocator.allocate())
-            first = seq.num_stored
             seq.num_tokens += num_new
-            bs, blocks = pool.block_size, seq.blocks
-            slots[name] = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(first, seq.num_stored)],
-                                       dtype=torch.int64)
+            slots[name] = self.slots(request, name, seq.num_tokens - num_new, seq.num_tokens)
         return slots
+
+    def slots(self, request: Hashable, pool: str, start: int, end: int) -> torch.Tensor:
+        """The slots (``block_id * block_size + offset``) of logical positions ``start .. end - 1``, int64.
+
+        The positions must be held: ``sequence_start <= start`` and ``end <= num_tokens``. Pages are
+        indexed from the sequence's start (see :meth:`set_start`).
+        """
+        seq = self._seqs.get(request, {}).get(pool)
+        first, held = (seq.start, seq.num_tokens) if seq else (0, 0)
+        if not first <= start <= end <= held:
+            raise KVCacheError(
+                f"request {request!r} holds positions {first}..{held - 1} in pool {pool!r}, asked for slots of "
+                f"{start}..{end - 1}"
+            )
+        bs, blocks = self._pools[pool].block_size, seq.blocks if seq else []
+        return torch.tensor(
+            [blocks[p // bs] * bs + p % bs for p in range(start - first, end - first)], dtype=torch.int64
+        )
+
+    @contextlib.contextmanager
+    def scratch(self, requests: Iterable[Hashable], pools: Iterable[str]) -> Iterator[None]:
+        """A scope whose appends to ``requests`` in ``pools`` are transient.
+
+        On exit every (request, pool) is truncated back to its length at entry, its new pages freed:
+        what a drafter writes past what it keeps (draft chain rows, or rows it puts in a target pool
+        ahead of the target) never outlives the proposal.
+        """
+        names = self._names(pools)
+        lengths = [(r, name, self.num_tokens(r, name)) for r in requests for name in names]
+        try:
+            yield
+        finally:
+            for request, name, length in lengths:
+                if self.num_tokens(request, name) > length:
+                    self.truncate(request, length, [name])
 
     def set_start(self, request: Hashable, start: int, pools: Iterable[str]) -> None:
         """Begin ``request``'s sequence in ``pools`` at logical position ``start`` instead of 0.
@@ -186,7 +220,7 @@ class PagedKVCache:
         Its pages there will hold positions ``start ..`` only (the ones before are read from another
         pool). Only while the request holds nothing in those pools.
         """
-        if not (isinstance(start, int) and not isinstance(start, bool) and start >= 0):
+        if not (is_int(start) and start >= 0):
             raise ValueError(f"a sequence start must be an int >= 0, got {start!r}")
         names = self._names(pools)
         seqs = self._seqs.get(request, {})

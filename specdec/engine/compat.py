@@ -12,30 +12,31 @@ A combination is impossible only when one pool is used by a backend that cannot 
   block size" failure (an aiter MLA target at page 1 beside a draft backend needing multiples of 16),
   caught before any memory is allocated and reported in one line naming both sides and the way out.
 
-A proposer tells the check what it uses through attributes it already has: its backend as
-``backend`` (or ``runner.backend``, else the name in ``attention_backend``, else the target's), and,
-for target pools it reads without adding layers (KV sharing), their names in ``target_pools_read``.
-Target pools that gained layers during the proposer's setup are found by comparing layer counts.
+What a proposer uses is what its setup declared (:class:`~specdec.proposers.base.ProposerPools`): the
+pools it owns, the target pools it joined or reads, and the backend its layers run on.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Sequence
 
 import attrs
 
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.cache.pool import PagedPool
+from specdec.proposers.base import ProposerPools
+from specdec.runtime.block_size import (
+    BACKEND_KINDS,
+    PageSizeError,
+    describe_support,
+    listing,
+    supported_sizes,
+)
 
-# Page sizes a backend is asked about when a message lists what it supports.
-PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Pool kinds an attention backend runs; other pools (an indexer's keys) are read by the model itself.
-BACKEND_KINDS = ("attention", "mla")
-
-
-class PageSizeError(ValueError):
-    """An impossible combination of pools, page sizes and backends; the message is one line."""
+# Re-exported: the page-size error is part of what an engine build can raise.
+__all__ = ["BackendFeatureError", "PageSizeError", "PoolUse", "check_engine_pools", "check_target_backend",
+           "describe_support", "proposer_pool_uses"]
 
 
 class BackendFeatureError(ValueError):
@@ -48,7 +49,7 @@ def check_target_backend(model, backend: AttentionBackend) -> None:
     Today the one such feature is ``custom_mask`` (MiniMax-M3's block-sparse layers select KV blocks
     per query); failing here, when the engine is built, beats failing in the middle of ``generate``.
     """
-    if getattr(model, "needs_custom_mask", False) and not getattr(backend, "supports_custom_mask", False):
+    if model.needs_custom_mask and not backend.supports_custom_mask:
         raise BackendFeatureError(
             f"{type(model).__name__} needs per-query block masks (custom_mask), which attention backend "
             f"{backend.name!r} does not support; use attention_backend='torch' or 'triton'"
@@ -70,65 +71,14 @@ class PoolUse:
     role: str = attrs.field(validator=attrs.validators.in_(("own", "host", "read")))
 
 
-@attrs.frozen
-class PoolSnapshot:
-    """Pool names and layer counts before a proposer's setup, to see what the setup added."""
-
-    layers: Mapping[str, int]
-
-    @classmethod
-    def of(cls, cache: PagedKVCache) -> "PoolSnapshot":
-        return cls({name: pool.num_layers for name, pool in cache.pools.items()})
-
-
-def supported_sizes(backend: AttentionBackend, kind: str, sizes: Iterable[int] = PROBE_SIZES) -> list[int]:
-    """The page sizes among ``sizes`` that ``backend`` runs for pools of ``kind``."""
-    return [s for s in sizes if backend.supports_block_size(s, kind)]
-
-
-def describe_support(backend: AttentionBackend, kind: str) -> str:
-    """What page sizes ``backend`` runs for ``kind`` pools, in words (``"any mla page size"``, ...)."""
-    sizes = supported_sizes(backend, kind)
-    if not sizes:
-        return f"no {kind} page size of {_listing(PROBE_SIZES)}"
-    if sizes == list(PROBE_SIZES) and all(backend.supports_block_size(s, kind) for s in (3, 5, 24, 100)):
-        return f"any {kind} page size"
-    return f"{kind} pages of {_listing(sizes)} (of the powers of two up to {PROBE_SIZES[-1]})"
-
-
-def draft_backend_of(proposer, target_backend: AttentionBackend) -> AttentionBackend:
-    """The backend a proposer's layers run on (see the module docstring for where it is looked up)."""
-    for candidate in (getattr(proposer, "backend", None), getattr(getattr(proposer, "runner", None), "backend", None)):
-        if candidate is not None and callable(getattr(candidate, "supports_block_size", None)):
-            return candidate
-    name = getattr(proposer, "attention_backend", None)
-    if name:
-        from specdec.backends import get_backend
-
-        return get_backend(name)
-    return target_backend
-
-
-def proposer_pool_uses(
-    cache: PagedKVCache,
-    before: PoolSnapshot,
-    target_pools: Sequence[PagedPool],
-    proposer,
-    target_backend: AttentionBackend,
-) -> list[PoolUse]:
-    """How the proposer set up against ``cache`` (snapshot ``before``) uses pools, with its backend."""
-    target_names = {p.name for p in target_pools}
-    own = [p for name, p in cache.pools.items() if name not in before.layers]
-    hosts = [p for p in target_pools if p.num_layers > before.layers.get(p.name, p.num_layers)]
-    read_names = [n for n in getattr(proposer, "target_pools_read", ()) or () if n in target_names]
-    reads = [cache.pool(n) for n in read_names if n not in {p.name for p in hosts}]
-    if not (own or hosts or reads):
-        return []
-    backend = draft_backend_of(proposer, target_backend)
+def proposer_pool_uses(cache: PagedKVCache, declared: ProposerPools, target_backend: AttentionBackend) -> list[PoolUse]:
+    """How a proposer uses pools, from what its setup declared; its layers run on ``declared.backend``."""
+    backend = declared.backend or target_backend
+    joined = set(declared.joined)
     return (
-        [PoolUse(p, "draft", backend, "own") for p in own]
-        + [PoolUse(p, "draft", backend, "host") for p in hosts]
-        + [PoolUse(p, "draft", backend, "read") for p in reads]
+        [PoolUse(cache.pool(n), "draft", backend, "own") for n in declared.own]
+        + [PoolUse(cache.pool(n), "draft", backend, "host") for n in declared.joined]
+        + [PoolUse(cache.pool(n), "draft", backend, "read") for n in declared.read if n not in joined]
     )
 
 
@@ -180,7 +130,7 @@ def _shared_message(use: PoolUse, target_backend, target_kinds, required) -> str
     ]
     fixes = []
     if common:
-        also = f" (or {_listing(common[1:])})" if len(common) > 1 else ""
+        also = f" (or {listing(common[1:])})" if len(common) > 1 else ""
         fixes.append(f"set the target's block_size to {common[0]}{also}, a page size both backends run")
     fixes.append(
         f"run the draft on the target's backend (leave the speculative config's attention_backend unset or set "
@@ -191,7 +141,3 @@ def _shared_message(use: PoolUse, target_backend, target_kinds, required) -> str
         f"{action}: draft backend {draft.name!r} supports {describe_support(draft, pool.kind)}; choose: "
         + ", or ".join(fixes)
     )
-
-
-def _listing(sizes: Sequence[int]) -> str:
-    return ", ".join(str(s) for s in sizes)

@@ -1,30 +1,46 @@
-"""The engine: scheduler -> proposer -> one target forward -> sampler or verifier -> cache update."""
+"""The engine: scheduler -> proposer -> one target forward -> sampler or verifier -> commit.
+
+Who writes the paged cache, by phase of a step (nobody else does):
+
+1. *schedule*: nobody. The scheduler reads free pages and decides who runs (reserving pages for each
+   request's tokens plus k drafts in every pool, by counting), who is admitted, who is preempted.
+2. *release*: the engine frees the pages of the requests it preempted, and starts the sequences of
+   newly admitted requests in the proposer's prompt-free pools at their prompt length.
+3. *propose*: the proposer appends the rows it keeps to its own pools; rows it needs only for the
+   proposal (the draft chain, rows ahead of the target in a target pool it joined) go in a cache
+   scratch scope, which restores every length on exit.
+4. *target forward*: the model runner appends the step's tokens and drafts to the target's pools.
+5. *verify or sample*: nobody.
+6. *commit*: the engine truncates the target's and the proposer's own pools to each request's verified
+   length, frees finished requests' pages and tells the proposer (:class:`StepFeedback`).
+"""
 
 from __future__ import annotations
 
 import random
 import sys
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import attrs
 import torch
 
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.engine.blocks import choose_block_size
-from specdec.engine.compat import PoolSnapshot, check_engine_pools, check_target_backend, proposer_pool_uses
-from specdec.engine.model_runner import Chunk, ModelRunner
+from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.scheduler import Scheduler
-from specdec.engine.sequence import Sequence as EngineSequence
 from specdec.models.base import CausalLM
-from specdec.proposers.base import Proposal, Proposer, ProposerContext, StepFeedback
+from specdec.outputs import RequestStep, StepOutput
+from specdec.proposers.base import Proposal, Proposer, StepFeedback
+from specdec.runtime.layout import StepLayout
+from specdec.runtime.model_runner import ModelRunner
+from specdec.runtime.sequence import Sequence as EngineSequence
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sampler import Sampler, SamplingBatch
+from specdec.spec_stats import SpecStats
+from specdec.validation import is_int
 from specdec.verifiers.base import Verifier
 from specdec.verifiers.greedy import GreedyVerifier
 from specdec.verifiers.rejection import RejectionSampler
-
-TARGET_POOL = "target"
 
 
 @attrs.define
@@ -40,11 +56,11 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching over a paged cache, with optional speculation, from parts passed in.
 
-    The engine registers the target's pools (prefix ``"target"``) and the proposer's pools in
-    ``cache`` (see :func:`register_pools`) and builds it; a cache that already holds them (or is
-    already built) is used as it is.
-    Requests are :class:`Sequence` objects made by :meth:`add_request`; :meth:`step` runs one
-    forward and returns the requests that finished in it; :meth:`generate` runs a list to the end.
+    An unbuilt ``cache`` gets the target's pools (prefix ``"target"``) and the proposer's
+    (:func:`register_pools`) and is built here; a caller that registered them itself passes the
+    :class:`EnginePools` that ``register_pools`` returned. Requests are :class:`Sequence` objects made by
+    :meth:`add_request`; :meth:`step` runs one step and returns a :class:`StepOutput` (what each
+    request emitted, its drafts, which finished); :meth:`generate` runs a list to the end.
 
     - ``sampler``: draws tokens when a step has no drafts (default :class:`Sampler`).
     - ``verifier``: checks drafts; by default :class:`GreedyVerifier` for all-greedy steps and the
@@ -52,11 +68,6 @@ class LLMEngine:
       like the greedy verifier, so per-request mixes are fine).
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
-
-    With ``record_trace`` set, :meth:`generate` fills ``trace`` with one dict per step and request
-    that had drafts: ``step`` (index within the call), ``request`` (input index),
-    ``draft_token_ids``, ``num_accepted`` (the verifier's count) and ``emitted_token_ids`` (what
-    was appended to the output: accepted drafts plus one token, cut after a stop token).
     """
 
     def __init__(
@@ -73,10 +84,10 @@ class LLMEngine:
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
+        pools: EnginePools | None = None,
     ):
         self.model = model
         self.cache = cache
-        self.backend = backend
         self.scheduler = scheduler or Scheduler()
         self.sampler = sampler or Sampler()
         self.proposer = proposer
@@ -84,41 +95,37 @@ class LLMEngine:
         self._greedy_verifier = GreedyVerifier()
         self._rejection = RejectionSampler()
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.max_model_len = int(max_model_len or _config_max_len(model))
-        self.dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
+        self.max_model_len = int(max_model_len or config_max_len(model))
         self.device = next(model.parameters()).device  # type: ignore[attr-defined]
 
+        if pools is None:
+            if cache.is_built or cache.pools:
+                raise ValueError("pass an empty, unbuilt cache, or the EnginePools register_pools returned for it")
+            pools = register_pools(model, cache, backend, proposer, block_size=block_size,
+                                   max_model_len=self.max_model_len)
         if not cache.is_built:
-            if TARGET_POOL not in cache.pools:
-                register_pools(model, cache, backend, proposer, block_size=block_size, max_model_len=self.max_model_len)
             cache.build()
-        pool_names = [n for n in cache.pools if n == TARGET_POOL or n.startswith(TARGET_POOL + ".")]
-        if not pool_names:
-            raise ValueError(f"the cache has no {TARGET_POOL!r} pool; pass an empty, unbuilt cache")
-        self.runner = ModelRunner(model, cache, backend, pool_names)
-        self.pool_names = list(cache.pools)
+        self.pools = pools
+        self.runner = ModelRunner(model, cache, backend, pools.target)
         self.num_speculative_tokens = proposer.num_speculative_tokens if proposer is not None else 0
         self.aux_layer_ids = tuple(proposer.aux_layer_ids) if proposer is not None else ()
         self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens)
 
         self.stats = EngineStats()
-        self.spec_stats = None
-        if proposer is not None:
-            from specdec.spec_stats import SpecStats
-
-            self.spec_stats = SpecStats.for_k(self.num_speculative_tokens)
-        self.record_trace = False
-        self.trace: list[dict] = []
+        self.spec_stats = SpecStats.for_k(self.num_speculative_tokens) if proposer is not None else None
         self._seed_rng = random.Random(seed)
         self._next_id = 0
-        self._step_index = 0
 
     # ----- requests -----
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, index: int = 0) -> EngineSequence:
         """Validate and queue one request; raises ``ValueError`` if it can never run."""
         seq = self.make_sequence(prompt_token_ids, params, index=index)
-        self.scheduler.add(seq)
+        self.add_sequence(seq)
         return seq
+
+    def add_sequence(self, seq: EngineSequence) -> None:
+        """Queue a request made by :meth:`make_sequence`."""
+        self.scheduler.add(seq)
 
     def make_sequence(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, index: int = 0) -> EngineSequence:
         """A validated request, not queued yet (so a batch can be checked before anything runs)."""
@@ -128,7 +135,7 @@ class LLMEngine:
         vocab = self.model.vocab_size
         if not ids:
             raise ValueError(f"prompt {index} is empty; give at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        if not all(is_int(t) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt {index} holds token ids outside the vocabulary 0..{vocab - 1}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -153,25 +160,33 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, seq: EngineSequence) -> None:
+        """Drop an unfinished request wherever it is: its pages and the proposer's state go now."""
+        if seq.is_finished:
+            return
+        self.scheduler.abort(seq)
+        self.cache.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.on_step(StepFeedback(finished=(seq.seq_id,)))
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         *,
         use_tqdm: bool | None = False,
+        on_step: Callable[[StepOutput], None] | None = None,
     ) -> list[EngineSequence]:
         """Run ``prompts`` (token ids, one ``params`` each) to completion; returns them in input order.
 
-        All requests are validated before any runs, so a bad one fails the call without
-        leaving others half done.
+        All requests are validated before any runs, so a bad one fails the call without leaving
+        others half done. ``on_step`` is called with every step's :class:`StepOutput`.
         """
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         seqs = [self.make_sequence(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
         for seq in seqs:
-            self.scheduler.add(seq)
-        self.trace = []
-        self._step_index = 0
+            self.add_sequence(seq)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         bar = None
         if show:
@@ -180,16 +195,15 @@ class LLMEngine:
             bar = tqdm(total=len(seqs), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while self.has_unfinished():
-                done = self.step()
-                if bar is not None and done:
-                    bar.update(len(done))
+                out = self.step()
+                if on_step is not None:
+                    on_step(out)
+                if bar is not None and out.finished:
+                    bar.update(len(out.finished))
         except BaseException:
             # Interrupted (Ctrl-C) or failed: drop this call's requests so the next call starts clean.
             for seq in seqs:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
-                    if self.proposer is not None:
-                        self.proposer.free(seq.seq_id)
+                self.abort(seq)
             raise
         finally:
             if bar is not None:
@@ -197,43 +211,47 @@ class LLMEngine:
         return seqs
 
     # ----- one step -----
-    def step(self) -> list[EngineSequence]:
-        """One forward over the scheduled requests; returns those that finished."""
+    def step(self) -> StepOutput:
+        """One step over the scheduled requests (phases in the module docstring)."""
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if self.proposer is not None:
-            for seq in batch.preempted:
-                self.proposer.free(seq.seq_id)
+        preempted = tuple(seq.seq_id for seq in batch.preempted)
+        for request in preempted:
+            self.cache.free(request)
         seqs = batch.seqs
         if not seqs:
-            return []
+            if preempted and self.proposer is not None:
+                self.proposer.on_step(StepFeedback(preempted=preempted))
+            return StepOutput(self.stats.num_steps)
+        self._start_prompt_free_pools(seqs)
 
         drafts = self._propose(seqs, batch.max_drafts)
-        cache, primary = self.cache, TARGET_POOL
-        starts = [cache.num_tokens(seq.seq_id, primary) for seq in seqs]
-        if drafts is None:
-            token_lists = [seq.token_ids[s:] for seq, s in zip(seqs, starts)]
-        else:
-            token_lists = [seq.token_ids[s:] + d for seq, s, d in zip(seqs, starts, drafts.draft_token_ids)]
-        output = self.runner.forward(
-            [Chunk(seq.seq_id, t) for seq, t in zip(seqs, token_lists)], self.aux_layer_ids
+        starts = [self.cache.num_tokens(seq.seq_id, TARGET_POOL) for seq in seqs]
+        draft_ids = drafts.draft_token_ids if drafts is not None else [[] for _ in seqs]
+        tokens = [seq.token_ids[s:] + d for seq, s, d in zip(seqs, starts, draft_ids)]
+        layout = StepLayout.build(
+            [seq.seq_id for seq in seqs], starts, [len(t) for t in tokens], [len(d) for d in draft_ids], self.device
         )
-        query_lens = [len(t) for t in token_lists]
+        output = self.runner.run(layout, tokens, self.aux_layer_ids)
+        logits = self.model.compute_logits(output.hidden_states[layout.verify_rows])
 
         # An all-greedy step checks drafts with the greedy verifier, which reads no sampling parameters.
         sampling = None
         if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in seqs):
             sampling = SamplingBatch.for_sequences(seqs, self.device)
         if drafts is None:
-            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-            logits = self.model.compute_logits(output.hidden_states[last])
             emitted = [[t] for t in self.sampler.sample(logits, sampling).tolist()]
-            num_drafts = num_accepted = None
+            num_accepted = [0] * len(seqs)
         else:
-            num_drafts = [len(d) for d in drafts.draft_token_ids]
-            num_accepted, emitted = self._verify(output, query_lens, num_drafts, drafts, sampling)
+            num_accepted, emitted = self._verify(logits, layout, drafts, sampling)
+        return self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, preempted)
 
-        return self._finish_step(seqs, starts, query_lens, emitted, drafts, num_drafts, num_accepted, output)
+    def _start_prompt_free_pools(self, seqs: list[EngineSequence]) -> None:
+        prompt_free = self.pools.draft.prompt_free
+        if prompt_free:
+            for seq in seqs:
+                if self.cache.num_tokens(seq.seq_id, TARGET_POOL) == 0:  # admitted this step
+                    self.cache.set_start(seq.seq_id, seq.num_prompt_tokens, prompt_free)
 
     def _propose(self, seqs: list[EngineSequence], max_drafts: list[int]) -> Proposal | None:
         if self.proposer is None or not any(max_drafts):
@@ -249,119 +267,54 @@ class LLMEngine:
             return None
         return proposal
 
-    def _verify(self, output, query_lens, num_drafts, drafts: Proposal, sampling: SamplingBatch | None):
+    def _verify(self, logits, layout: StepLayout, drafts: Proposal, sampling: SamplingBatch | None):
         k = self.num_speculative_tokens
-        # The last (num_drafts + 1) rows of each request's chunk are its verify rows.
-        rows, end = [], 0
-        for q, n in zip(query_lens, num_drafts):
-            end += q
-            rows.extend(range(end - n - 1, end))
-        logits = self.model.compute_logits(output.hidden_states[torch.tensor(rows, device=self.device)])
         padded = torch.tensor([d + [-1] * (k - len(d)) for d in drafts.draft_token_ids], device=self.device)
         verifier = self.verifier
         if verifier is None:
             verifier = self._greedy_verifier if sampling is None else self._rejection
         result = verifier.verify(
-            logits, padded, torch.tensor(num_drafts, device=self.device), drafts.draft_probs, sampling
+            logits, padded, torch.tensor(layout.num_drafts, device=self.device), drafts.draft_probs, sampling
         )
         return result.num_accepted.tolist(), result.emitted()
 
-    def _finish_step(self, seqs, starts, query_lens, emitted, drafts, num_drafts, num_accepted, output):
-        finished = []
+    def _commit(self, seqs, layout, draft_ids, emitted, num_accepted, output, preempted) -> StepOutput:
+        """Append what each request emitted, cut every pool back to the verified length, release the
+        finished, tell the proposer; the step's :class:`StepOutput`."""
+        cache, truncated = self.cache, self.pools.per_request
+        results, finished = [], []
         generated = 0
-        cache, scheduler = self.cache, self.scheduler
-        for i, seq in enumerate(seqs):
+        for seq, drafted, tokens, accepted in zip(seqs, draft_ids, emitted, num_accepted):
             before = seq.num_tokens
-            generated += seq.append(emitted[i])
-            if self.record_trace and num_drafts is not None and num_drafts[i]:
-                self.trace.append(
-                    {
-                        "step": self._step_index,
-                        "request": seq.index,
-                        "draft_token_ids": list(drafts.draft_token_ids[i]),
-                        "num_accepted": num_accepted[i],
-                        "emitted_token_ids": seq.token_ids[before:],
-                    }
-                )
+            generated += seq.append(tokens)
+            results.append(RequestStep(seq.seq_id, seq.index, tuple(seq.token_ids[before:]), tuple(drafted),
+                                       accepted if drafted else 0, seq.finish_reason))
             if seq.is_finished:
                 finished.append(seq)
-                continue
-            if self.proposer is not None:
+            elif self.proposer is not None:
                 # Rejected drafts (and the drafter's tokens past them) leave every pool.
                 keep = seq.num_tokens - 1
-                for name in self.pool_names:
+                for name in truncated:
                     if cache.num_tokens(seq.seq_id, name) > keep:
                         cache.truncate(seq.seq_id, keep, [name])
-        if self.proposer is not None:
-            row_starts = [0]
-            for q in query_lens[:-1]:
-                row_starts.append(row_starts[-1] + q)
-            zeros = [0] * len(seqs)
-            self.proposer.on_step(
-                StepFeedback(
-                    seqs=seqs,
-                    row_starts=row_starts,
-                    query_lens=query_lens,
-                    start_positions=starts,
-                    num_drafts=num_drafts or zeros,
-                    num_accepted=num_accepted or zeros,
-                    target_output=output,
-                )
-            )
-            if num_drafts is not None:
-                self.spec_stats.observe(num_drafts, num_accepted)
         for seq in finished:
-            scheduler.finish(seq)
-            if self.proposer is not None:
-                self.proposer.free(seq.seq_id)
-        self.stats.num_steps += 1
-        self.stats.num_forward_tokens += sum(query_lens)
-        self.stats.num_generated_tokens += generated
-        self._step_index += 1
-        return finished
-
-
-def register_pools(
-    model: CausalLM,
-    cache: PagedKVCache,
-    backend: AttentionBackend,
-    proposer: Proposer | None,
-    *,
-    block_size: int | None = None,
-    max_model_len: int | None = None,
-) -> list[str]:
-    """Register the target's pools (prefix ``"target"``) and let the proposer register its own.
-
-    Split from building so that a caller can size the budget from the registered pools first
-    (``LLM`` does, for its default ``kv_cache_memory``). Then checks that every backend can run every
-    pool it uses (:func:`specdec.engine.compat.check_engine_pools`; an impossible combination of page
-    sizes raises :class:`~specdec.engine.compat.PageSizeError`). Returns the target's pool names.
-    """
-    check_target_backend(model, backend)
-    dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
-    size = choose_block_size(model, backend, block_size, dtype)
-    pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, dtype)]
-    draft_uses = []
-    if proposer is not None:
-        before = PoolSnapshot.of(cache)
-        proposer.setup(
-            ProposerContext(
-                target=model,
-                target_pools=pools,
-                cache=cache,
-                backend=backend,
-                dtype=dtype,
-                device=next(model.parameters()).device,  # type: ignore[attr-defined]
-                max_model_len=int(max_model_len or _config_max_len(model)),
+            self.scheduler.finish(seq)
+            cache.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.on_step(
+                StepFeedback(seqs, layout, num_accepted, output, tuple(s.seq_id for s in finished), preempted)
             )
-        )
-        draft_uses = proposer_pool_uses(cache, before, pools, proposer, backend)
-    # Before any memory is allocated: one backend that cannot run a pool it uses fails here, in one line.
-    check_engine_pools(pools, backend, draft_uses, required_block_size=getattr(model, "required_block_size", None))
-    return [p.name for p in pools]
+            if any(layout.num_drafts):
+                self.spec_stats.observe(layout.num_drafts, num_accepted)
+        out = StepOutput(self.stats.num_steps, tuple(results))
+        self.stats.num_steps += 1
+        self.stats.num_forward_tokens += layout.num_rows
+        self.stats.num_generated_tokens += generated
+        return out
 
 
-def _config_max_len(model: CausalLM) -> int:
+def config_max_len(model: CausalLM) -> int:
+    """The model config's ``max_position_embeddings`` (the default ``max_model_len``)."""
     value = getattr(model.hf_config, "max_position_embeddings", None)
     if not value:
         raise ValueError("the model config has no max_position_embeddings; pass max_model_len")

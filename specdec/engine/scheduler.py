@@ -7,17 +7,8 @@ from collections import deque
 import attrs
 
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.engine.sequence import Sequence, SequenceStatus
-
-
-def _positive_or_none(_inst, attr, value) -> None:
-    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"SchedulerConfig.{attr.name} must be a positive int or None, got {value!r}")
-
-
-def _positive(_inst, attr, value) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"SchedulerConfig.{attr.name} must be a positive int, got {value!r}")
+from specdec.runtime.sequence import Sequence, SequenceStatus
+from specdec.validation import int_at_least
 
 
 @attrs.frozen
@@ -30,13 +21,20 @@ class SchedulerConfig:
       the decodes, so that no request waits forever.
     """
 
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive_or_none)
+    max_num_seqs: int = attrs.field(default=256, validator=int_at_least(1))
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
+
+    @classmethod
+    def _field_label(cls, name: str) -> str:
+        return f"SchedulerConfig.{name}"
 
 
 @attrs.define
 class ScheduledBatch:
-    """What runs this step: ``seqs[i]`` may receive up to ``max_drafts[i]`` draft tokens."""
+    """What runs this step: ``seqs[i]`` may receive up to ``max_drafts[i]`` draft tokens.
+
+    ``preempted`` requests went back to the queue; the engine frees their pages before the forward.
+    """
 
     seqs: list[Sequence]
     max_drafts: list[int]
@@ -53,8 +51,9 @@ class Scheduler:
     requests are then admitted (as prefills, in the same step) while pages, ``max_num_seqs`` and
     the token budget allow, unless a preemption happened this step (admitting then would thrash).
 
-    The scheduler only *reserves*: it counts free blocks per pool and never allocates, so the
-    forwards that follow (target and proposer) cannot run out of pages mid-step.
+    The scheduler only *decides*: it reads the cache (free blocks, pages held) and never writes it.
+    It reserves by counting, so the forwards that follow (target and proposer) cannot run out of
+    pages mid-step; the engine frees the pages of the requests it preempts, finishes or aborts.
     """
 
     def __init__(self, config: SchedulerConfig | None = None):
@@ -86,17 +85,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished request's pages."""
+        """Stop scheduling a finished request (the engine frees its pages)."""
         self.running.remove(seq)
-        self._cache.free(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is, releasing its pages."""
+        """Drop an unfinished request wherever it is (the engine frees its pages)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._cache.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
 
@@ -168,7 +165,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:
         for name in self._block_sizes:
             free[name] += self._cache.blocks_held(seq.seq_id, name)
-        self._cache.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

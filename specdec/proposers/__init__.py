@@ -1,6 +1,6 @@
 """Proposers: the protocol, the method registry and the speculative config.
 
-Proposer implementations (``ngram_proposer``, ``draft_model``, ``eagle3``) are imported by the
+Proposer implementations (``ngram``, ``draft_model``, ``eagle3``) are imported by the
 registry when their method is chosen.
 """
 

@@ -1,16 +1,17 @@
 """The Proposer protocol: how a drafting strategy plugs into the engine step.
 
-One engine step with speculation::
+One engine step with speculation (``specdec.engine.engine`` says which phase writes the cache)::
 
     drafts = proposer.propose(seqs, max_drafts)      # up to k per request, maybe with q
     target forward over every request's new tokens + drafts (k+1 verify rows each)
     verifier accepts a prefix of each request's drafts and emits one more token
-    every pool is truncated to the accepted length     # the engine does this for all pools
-    proposer.on_step(feedback)                        # roll back / keep the target's hidden states
-    proposer.free(request) for finished and preempted requests
+    the engine truncates the target's and the proposer's own pools to the verified length
+    proposer.on_step(feedback)                        # keep what it needs, forget released requests
 
-A proposer owns its own state (e.g. a draft model's KV pool in the shared cache, hidden states it
-kept from the last target forward) and must keep it consistent with what was accepted.
+A proposer owns its own state (a draft model's KV pool in the shared cache, hidden states it kept from
+the last target forward) and keeps it consistent with what was accepted. ``setup`` declares the pools
+it uses (:class:`ProposerPools`); during ``propose`` it may append to its own pools, and rows it keeps
+only for the proposal go in a :meth:`~specdec.cache.paged_cache.PagedKVCache.scratch` scope.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
     from specdec.backends.base import AttentionBackend
     from specdec.cache.paged_cache import PagedKVCache
     from specdec.cache.pool import PagedPool
-    from specdec.engine.sequence import Sequence as EngineSequence
     from specdec.models.base import CausalLM, ModelOutput
+    from specdec.runtime.layout import StepLayout
+    from specdec.runtime.sequence import Sequence as EngineSequence
 
 
 @attrs.frozen
@@ -44,29 +46,56 @@ class Proposal:
 
 
 @attrs.frozen
-class StepFeedback:
-    """What happened to the requests of one target forward, for the proposer to update its state.
+class ProposerPools:
+    """The cache pools a proposer uses, as its :meth:`Proposer.setup` declares them.
 
-    Request ``i`` (``seqs[i]``, tokens already updated with this step's emitted tokens) ran
-    ``query_lens[i]`` target rows starting at row ``row_starts[i]`` of ``target_output`` and at
-    position ``start_positions[i]``; its last ``num_drafts[i]`` rows were drafts, of which the first
-    ``num_accepted[i]`` were accepted. Rows of rejected drafts hold states of tokens that are gone.
-    ``target_output.aux_hidden_states`` is set when the proposer asked for ``aux_layer_ids``.
-    Finished requests are included (and freed right after).
+    - ``backend``: the attention backend its layers run on (None: it runs no attention).
+    - ``own``: pools it registered; the engine reserves pages in them for every scheduled request
+      (its tokens + k), truncates them to the verified length after each step and frees them with
+      the request.
+    - ``joined``: target pools it added layers to (an MLA draft living in the target's MLA pool).
+    - ``read``: target pools it reads without writing (KV sharing).
+    - ``prompt_free``: own pools that hold no prompt positions (the prompt's KV is read from a target
+      pool): the engine starts a request's sequence there at its prompt length when it is admitted.
     """
 
-    seqs: Sequence["EngineSequence"]
-    row_starts: list[int]
-    query_lens: list[int]
-    start_positions: list[int]
-    num_drafts: list[int]
-    num_accepted: list[int]
-    target_output: "ModelOutput"
+    backend: "AttentionBackend | None" = None
+    own: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    prompt_free: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class StepFeedback:
+    """What happened in one engine step, for the proposer to update its state.
+
+    ``seqs[i]`` (tokens already updated with this step's emitted tokens) ran the rows of
+    ``layout.requests[i]`` in ``target_output``; of its ``layout.num_drafts[i]`` drafts the first
+    ``num_accepted[i]`` were accepted (rows of rejected drafts hold states of tokens that are gone).
+    ``target_output.aux_hidden_states`` is set when the proposer asked for ``aux_layer_ids``.
+    ``finished`` (done or aborted) and ``preempted`` name the requests released in this step: their
+    pages are freed and the proposer must forget them (a preempted request comes back later as a new
+    prefill). A step may release requests without running a forward (``layout`` and
+    ``target_output`` None, ``seqs`` empty).
+    """
+
+    seqs: Sequence["EngineSequence"] = ()
+    layout: "StepLayout | None" = None
+    num_accepted: Sequence[int] = ()
+    target_output: "ModelOutput | None" = None
+    finished: Sequence[Hashable] = ()
+    preempted: Sequence[Hashable] = ()
+
+    @property
+    def released(self) -> tuple[Hashable, ...]:
+        """Every request this step released, finished or preempted."""
+        return (*self.finished, *self.preempted)
 
 
 @attrs.frozen
 class ProposerContext:
-    """What a proposer factory may need from the engine being built.
+    """What a proposer's setup may need from the engine being built.
 
     ``target_pools`` are the target model's pools (not yet materialised: an MLA draft may add a
     layer to one of them); ``cache`` is the shared cache the proposer registers its pools in.
@@ -88,18 +117,13 @@ class Proposer(Protocol):
     - ``num_speculative_tokens``: k, the most drafts per request per step.
     - ``aux_layer_ids``: target layers whose hidden states (capture-before convention) the engine
       must capture in every target forward and hand to :meth:`on_step`; ``()`` for none.
-    - ``pool_names``: the cache pools this proposer registered (none for n-gram). The engine
-      reserves pages in every pool of the cache for each scheduled request (its tokens + k) and
-      truncates every pool to the request's verified length after each step, so a proposer only
-      rolls back state the cache does not hold.
     """
 
     num_speculative_tokens: int
     aux_layer_ids: tuple[int, ...]
-    pool_names: tuple[str, ...]
 
-    def setup(self, context: ProposerContext) -> None:
-        """Register pools in ``context.cache`` (before it is built) and keep what it needs."""
+    def setup(self, context: ProposerContext) -> ProposerPools:
+        """Register pools in ``context.cache`` (before it is built), keep what it needs, declare its pools."""
         ...
 
     def propose(self, seqs: Sequence["EngineSequence"], max_drafts: Sequence[int]) -> Proposal:
@@ -107,11 +131,7 @@ class Proposer(Protocol):
         ...
 
     def on_step(self, feedback: StepFeedback) -> None:
-        """Called after verification with every request of the step."""
-        ...
-
-    def free(self, request: Hashable) -> None:
-        """Forget a finished or preempted request (its cache pages are already freed)."""
+        """Called after every step (verification done, pages of released requests freed)."""
         ...
 
 
@@ -120,13 +140,9 @@ class ProposerBase:
 
     num_speculative_tokens: int = 1
     aux_layer_ids: tuple[int, ...] = ()
-    pool_names: tuple[str, ...] = ()
 
-    def setup(self, context: ProposerContext) -> None:
-        pass
+    def setup(self, context: ProposerContext) -> ProposerPools:
+        return ProposerPools()
 
     def on_step(self, feedback: StepFeedback) -> None:
-        pass
-
-    def free(self, request: Hashable) -> None:
         pass

@@ -1,16 +1,23 @@
-"""Prompt lookup: draft the tokens that followed the last occurrence of the current suffix."""
+"""The n-gram (prompt lookup) proposer: draft the tokens that followed the latest earlier occurrence of
+the request's suffix (``ngram_propose``), over each request's own tokens."""
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Hashable, Sequence, Union
 
+import attrs
 import numpy as np
 import torch
+
+from specdec.proposers.base import Proposal, ProposerBase
+from specdec.proposers.options import CommonOptions, option
+from specdec.validation import int_at_least
 
 TokenSequence = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 _EMPTY = np.empty(0, dtype=np.int64)
-
+# vLLM's choice: with neither bound given both are 5; with one given the other copies it.
+NGRAM_DEFAULT_LOOKUP = 5
 
 def _as_array(tokens: TokenSequence) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
@@ -57,3 +64,74 @@ def ngram_propose(tokens: TokenSequence, k: int, min_n: int, max_n: int) -> np.n
         return _EMPTY
     # A copy, never a view: the caller keeps appending to (and may reuse) its token buffer.
     return seq[best_end + 1 : best_end + 1 + k].astype(np.int64)
+
+
+@attrs.frozen(kw_only=True)
+class NgramOptions(CommonOptions):
+    """``ngram``'s keys: the common ones, and the shortest / longest suffix n-gram to look up.
+
+    Defaults as vLLM: both 5, or the one given copied to the other.
+    """
+
+    prompt_lookup_min: int | None = option(int, int_at_least(1, optional=True))
+    prompt_lookup_max: int | None = option(int, int_at_least(1, optional=True))
+
+    def __attrs_post_init__(self) -> None:
+        lo = self.prompt_lookup_min or self.prompt_lookup_max or NGRAM_DEFAULT_LOOKUP
+        hi = self.prompt_lookup_max or self.prompt_lookup_min or NGRAM_DEFAULT_LOOKUP
+        if lo > hi:
+            raise ValueError(f"speculative config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        # Frozen class: filling defaults at construction is the one sanctioned mutation.
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+
+class NgramProposer(ProposerBase):
+    """Drafts the tokens that followed the latest earlier occurrence of the request's suffix.
+
+    Keys: :class:`NgramOptions`. Deterministic (q is one-hot, ``draft_probs`` None), no KV pool, no
+    model. Each request's tokens are mirrored in a growing numpy buffer, so a step copies only the new
+    tokens instead of converting the whole list (``ngram_propose`` then runs on a view).
+    """
+
+    options_class = NgramOptions
+
+    def __init__(
+        self, num_speculative_tokens: int, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None
+    ):
+        keys = NgramOptions(
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+        )
+        self.num_speculative_tokens = keys.num_speculative_tokens
+        self.min_n = keys.prompt_lookup_min
+        self.max_n = keys.prompt_lookup_max
+        self._buffers: dict[Hashable, tuple[np.ndarray, int]] = {}
+
+    def propose(self, seqs: Sequence, max_drafts: Sequence[int]) -> Proposal:
+        drafts: list[list[int]] = []
+        for seq, limit in zip(seqs, max_drafts):
+            if limit <= 0:
+                drafts.append([])
+                continue
+            tokens = self._tokens(seq.seq_id, seq.token_ids)
+            drafts.append(ngram_propose(tokens, limit, self.min_n, self.max_n).tolist())
+        return Proposal(drafts)
+
+    def free(self, request: Hashable) -> None:
+        self._buffers.pop(request, None)
+
+    def _tokens(self, key: Hashable, token_ids: list[int]) -> np.ndarray:
+        # Tokens are only ever appended to a request, so the buffer's prefix stays valid.
+        buf, n = self._buffers.get(key, (None, 0))
+        total = len(token_ids)
+        if buf is None or buf.shape[0] < total:
+            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            if buf is not None:
+                grown[:n] = buf[:n]
+            buf = grown
+        if n < total:
+            buf[n:total] = token_ids[n:total]
+        self._buffers[key] = (buf, total)
+        return buf[:total]

@@ -30,6 +30,7 @@ from specdec.backends import get_backend
 from specdec.backends.torch_ref import TorchBackend
 from specdec.cache.pool import AttentionPool, MLAPool
 from specdec.cli import main
+from specdec.outputs import trace_entries
 from specdec.engine.compat import (
     BackendFeatureError,
     PageSizeError,
@@ -90,9 +91,9 @@ def generate(model, backend="torch", dtype="float64", draft=None, method="eagle3
             spec["block_size"] = draft_block_size
     llm = LLM(model, speculative_config=spec, attention_backend=backend, dtype=dtype, block_size=block_size,
               kv_cache_memory=MEMORY)
-    llm.engine.record_trace = True
-    outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    trace = [(e["step"], e["request"], e["draft_token_ids"], e["num_accepted"]) for e in llm.engine.trace]
+    steps = []
+    outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, on_step=steps.append)]
+    trace = [(e["step"], e["request"], e["draft_token_ids"], e["num_accepted"]) for e in trace_entries(steps)]
     pools = {name: (p.kind, p.block_size, p.num_layers) for name, p in llm.engine.cache.pools.items()}
     return outputs, trace, pools
 

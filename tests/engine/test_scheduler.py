@@ -28,14 +28,18 @@ def _seq(i: int, prompt_len: int, max_tokens: int = 8, max_model_len: int = 1000
 
 
 def _run_step(scheduler: Scheduler, cache: PagedKVCache):
-    """What the engine does to the cache in a step with no drafts accepted: grow, emit, trim."""
+    """What the engine does to the cache in a step with no drafts accepted: free the preempted, grow,
+    emit, trim, free the finished."""
     batch = scheduler.schedule()
+    for seq in batch.preempted:
+        cache.free(seq.seq_id)
     for seq, drafts in zip(batch.seqs, batch.max_drafts):
         new = seq.num_tokens - cache.num_tokens(seq.seq_id, "target") + drafts
         cache.append_slots(seq.seq_id, new)  # must never raise: the scheduler reserved it
         seq.append([7])
         if seq.is_finished:
             scheduler.finish(seq)
+            cache.free(seq.seq_id)
         else:
             cache.truncate(seq.seq_id, seq.num_tokens - 1)
     return batch

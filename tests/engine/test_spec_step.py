@@ -10,6 +10,7 @@ from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
 from specdec.engine.engine import LLMEngine
 from specdec.models import load_model
+from specdec.outputs import trace_entries
 from specdec.proposers.base import Proposal, ProposerBase
 
 VOCAB = 128
@@ -61,12 +62,12 @@ def test_stats_and_trace_match_a_hand_count(target, greedy):
     ]
     proposer = ScriptedProposer(3, greedy, scripts)
     engine = _engine(target, proposer)
-    engine.record_trace = True
+    steps = []
     params = [SamplingParams(max_tokens=11, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)]
-    seqs = engine.generate(PROMPTS, params)
+    seqs = engine.generate(PROMPTS, params, on_step=steps.append)
     assert [s.output_token_ids for s in seqs] == [g[:11], h[:3]]
     w = lambda t: (t + 1) % VOCAB  # noqa: E731
-    assert engine.trace == [
+    assert trace_entries(steps) == [
         {"step": 0, "request": 0, "draft_token_ids": g[0:3], "num_accepted": 3, "emitted_token_ids": g[0:4]},
         {"step": 1, "request": 0, "draft_token_ids": [g[4], w(g[5]), g[6]], "num_accepted": 1,
          "emitted_token_ids": g[4:6]},

@@ -9,7 +9,7 @@ import torch
 
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
+from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
 
 
 @attrs.define

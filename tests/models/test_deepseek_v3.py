@@ -13,7 +13,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from paged_reference import assert_traces_match, specdec_greedy, transformers_greedy
 from specdec.backends import get_backend
 from specdec.cache import MLAPool, PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner
+from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.models import CheckpointError, load_model
 from specdec.models.deepseek_v3 import DeepseekV3ForCausalLM as OurDeepseekV3
 from specdec.models.deepseek_v3 import mla_softmax_scale

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from paged_reference import assert_traces_match, specdec_greedy, transformers_greedy
 from specdec.backends import get_backend
 from specdec.cache import AttentionPool, PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner
+from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.models import load_model
 from specdec.models.llama import LlamaForCausalLM, sliding_windows
 

@@ -13,7 +13,7 @@ from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
+from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.models import CheckpointError, load_model
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM as OurMiniMaxM2
 

@@ -22,7 +22,7 @@ from transformers.models.minimax_m3_vl import (
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import apply_rotary_pos_emb
 
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
+from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.backends import get_backend
 from specdec.models import CheckpointError, load_model
 from specdec.backends.base import AttentionMetadata

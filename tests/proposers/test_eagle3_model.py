@@ -23,7 +23,7 @@ from eagle3_reference import (
 from specdec.backends import get_backend
 from specdec.backends.base import AttentionMetadata
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
+from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.models import ForwardContext, load_model
 from specdec.proposers.eagle3 import load_eagle3_draft
 

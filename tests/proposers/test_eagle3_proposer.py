@@ -15,16 +15,15 @@ import pytest
 import torch
 from eagle3_oracle import save_deepseek_target, save_llama_target, target_output_weights, write_oracle_draft
 from eagle3_reference import DraftSpec, Reference
+from engine_harness import OneRequestEngine
 
 from specdec import LLM, SamplingParams
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.engine import register_pools
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
-from specdec.engine.sequence import Sequence as EngineSequence
 from specdec.models import CheckpointError, load_model
-from specdec.proposers.base import StepFeedback
 from specdec.proposers.eagle3.proposer import Eagle3Proposer
+from specdec.runtime.model_runner import Chunk, ModelRunner
+from specdec.runtime.sequence import Sequence as EngineSequence
 from specdec.sampling.processing import target_probs
 
 PROMPTS = [[3, 17, 5, 9, 41, 2, 33, 8, 12], [7, 1, 60, 22, 22, 5, 14], [4], [10, 20, 30, 40, 50, 60, 11, 21, 31, 41]]
@@ -207,28 +206,16 @@ def test_sampled_drafts_are_seeded_and_greedy_steps_report_no_q(targets, tmp_pat
 
 # ----------------------------------------------------------------------------- chunked prefill
 def _engine_parts(folder, draft, k=3, *, method="eagle3", block_size=4, draft_block=None):
-    target = load_model(folder, dtype="float64")
-    cache = PagedKVCache(MEMORY)
     proposer = Eagle3Proposer(str(draft), k, method=method, block_size=draft_block)
-    register_pools(target, cache, get_backend("torch"), proposer, block_size=block_size, max_model_len=256)
-    cache.build()
-    runner = ModelRunner(target, cache, get_backend("torch"), ["target"])
-    return target, cache, proposer, runner
+    return OneRequestEngine(load_model(folder, dtype="float64"), proposer, block_size=block_size, memory=MEMORY)
 
 
-def _prefill_in_chunks(target, proposer, runner, prompt, bounds):
+def _prefill_in_chunks(engine, prompt, bounds):
     """Target prefill of ``prompt`` in chunks, telling the proposer after each; returns the sequence."""
     seq = EngineSequence(0, prompt, GREEDY, seed=0, max_model_len=256)
-    proposals = []
+    proposer, proposals = engine.proposer, []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        chunk = [Chunk(seq.seq_id, prompt[lo:hi])]
-        out = runner.forward(chunk, proposer.aux_layer_ids)
-        if hi == len(prompt):
-            seq.append(target.compute_logits(out.hidden_states[last_token_indices(chunk)]).argmax(-1).tolist())
-        proposer.on_step(StepFeedback(
-            seqs=[seq], row_starts=[0], query_lens=[hi - lo], start_positions=[lo], num_drafts=[0],
-            num_accepted=[0], target_output=out,
-        ))
+        engine.forward(seq, prompt[lo:hi])
         proposals.append((proposer.propose([seq], [3]).draft_token_ids[0], proposer._states[0].done))
     return seq, proposals
 
@@ -240,14 +227,14 @@ def test_chunked_target_prefill(case, targets, tmp_path):
     folder = targets[target_name]
     weights = write_oracle_draft(tmp_path / "draft", spec, folder)
     prompt = PROMPTS[3] + PROMPTS[0]
-    target, cache, proposer, runner = _engine_parts(folder, tmp_path / "draft")
-    seq, proposals = _prefill_in_chunks(target, proposer, runner, prompt, [0, 5, 11, len(prompt)])
+    engine = _engine_parts(folder, tmp_path / "draft")
+    proposer = engine.proposer
+    seq, proposals = _prefill_in_chunks(engine, prompt, [0, 5, 11, len(prompt)])
     # Rows 0..4, then 5..10 ran as soon as their target states came; the last needs the sampled token.
     assert proposals[:2] == [([], 5), ([], 11)]
     drafts, done = proposals[2]
     assert len(drafts) == 3 and done == len(prompt)
-    target2, _, proposer2, runner2 = _engine_parts(folder, tmp_path / "draft")
-    _, whole = _prefill_in_chunks(target2, proposer2, runner2, prompt, [0, len(prompt)])
+    _, whole = _prefill_in_chunks(_engine_parts(folder, tmp_path / "draft"), prompt, [0, len(prompt)])
     assert whole[-1][0] == drafts
     ref = reference_for(folder, spec, weights)
     aux = target_aux(folder, proposer.aux_layer_ids, [seq.token_ids])[0]
@@ -262,7 +249,7 @@ def test_drafting_leaves_only_true_hidden_kv(targets, tmp_path):
     llm = LLM(str(folder), dtype="float64", block_size=4, kv_cache_memory=MEMORY,
               speculative_config=spec_config(tmp_path / "draft", 5, block_size=3))
     proposer, cache = llm.engine.proposer, llm.engine.cache
-    assert proposer.pool_names == ("draft",) and cache.pool("draft").block_size == 3
+    assert llm.engine.pools.draft.own == ("draft",) and cache.pool("draft").block_size == 3
     assert llm.engine.aux_layer_ids == proposer.aux_layer_ids == (0, 3, 7)
     seen = []
     original = proposer.propose
@@ -291,7 +278,7 @@ def test_mla_draft_lives_in_the_target_pool(targets, tmp_path):
         llm = LLM(str(folder), dtype="float64", block_size=1, kv_cache_memory=MEMORY,
                   speculative_config=spec_config(tmp_path / "draft", 3, method))
         proposer, cache = llm.engine.proposer, llm.engine.cache
-        assert list(cache.pools) == ["target"] and proposer.pool_names == ()
+        assert list(cache.pools) == ["target"] and llm.engine.pools.draft.own == ()
         assert cache.pool("target").num_layers == 4  # 3 target layers + the draft's
         attn = proposer.draft.midlayer.self_attn
         assert (attn.pool, attn.layer_idx) == ("target", 3)

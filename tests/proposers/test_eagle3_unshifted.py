@@ -33,18 +33,17 @@ from eagle3_reference import (
     rope_pairs,
     write_draft,
 )
+from engine_harness import OneRequestEngine
 
 from specdec import LLM, SamplingParams
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.engine import register_pools
-from specdec.engine.model_runner import Chunk, ModelRunner, last_token_indices
-from specdec.engine.sequence import Sequence as EngineSequence
 from specdec.models import load_model
-from specdec.proposers.base import StepFeedback
 from specdec.proposers.config import parse_speculative_config
 from specdec.proposers.eagle3.unshifted import UnshiftedEagle3Proposer
 from specdec.proposers.registry import create_proposer
+from specdec.runtime.model_runner import Chunk, ModelRunner
+from specdec.runtime.sequence import Sequence as EngineSequence
 
 PROMPTS = [[3, 17, 5, 9, 41, 2, 33, 8, 12], [7, 1, 60, 22, 22, 5, 14], [4], [10, 20, 30, 40, 50, 60, 11, 21, 31, 41]]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -302,7 +301,7 @@ def test_lossless_under_preemption_with_mixed_sampling(kv_sharing, setup, baseli
 def test_the_shared_draft_pool_holds_no_prompt_pages(kv_sharing, setup):
     llm = make_llm(setup, "llama", 3, kv_sharing=kv_sharing)
     cache, proposer = llm.engine.cache, llm.engine.proposer
-    assert proposer.pool_names == ("draft",) and list(cache.pools) == ["target", "draft"]
+    assert llm.engine.pools.draft.own == ("draft",) and list(cache.pools) == ["target", "draft"]
     bs = cache.pool("draft").block_size
     seen = []
 
@@ -331,28 +330,16 @@ def test_the_shared_draft_pool_holds_no_prompt_pages(kv_sharing, setup):
 # ----------------------------------------------------------------------------- unit-level harness
 def engine_parts(setup, name, k=3, **kwargs):
     folder, draft, _ = setup[name]
-    target = load_model(folder, dtype="float64")
-    cache = PagedKVCache(MEMORY)
     proposer = UnshiftedEagle3Proposer(str(draft), k, block_size=3, **kwargs)
-    register_pools(target, cache, get_backend("torch"), proposer, block_size=BLOCK, max_model_len=256)
-    cache.build()
-    runner = ModelRunner(target, cache, get_backend("torch"), ["target"])
-    return target, cache, proposer, runner
+    return OneRequestEngine(load_model(folder, dtype="float64"), proposer, block_size=BLOCK, memory=MEMORY)
 
 
-def prefill(target, proposer, runner, prompt, bounds, k=3):
+def prefill(engine, prompt, bounds, k=3):
     """Target prefill of ``prompt`` in chunks, telling the proposer after each and asking for drafts."""
     seq = EngineSequence(0, prompt, GREEDY, seed=0, max_model_len=256)
-    proposals = []
+    proposer, proposals = engine.proposer, []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        chunk = [Chunk(seq.seq_id, prompt[lo:hi])]
-        out = runner.forward(chunk, proposer.aux_layer_ids)
-        if hi == len(prompt):
-            seq.append(target.compute_logits(out.hidden_states[last_token_indices(chunk)]).argmax(-1).tolist())
-        proposer.on_step(StepFeedback(
-            seqs=[seq], row_starts=[0], query_lens=[hi - lo], start_positions=[lo], num_drafts=[0],
-            num_accepted=[0], target_output=out,
-        ))
+        engine.forward(seq, prompt[lo:hi])
         drafts = proposer.propose([seq], [k]).draft_token_ids[0]
         proposals.append((drafts, proposer.cache.num_tokens(seq.seq_id, "draft"),
                           proposer.cache.blocks_held(seq.seq_id, "draft")))
@@ -364,8 +351,9 @@ def prefill(target, proposer, runner, prompt, bounds, k=3):
 def test_chunked_target_prefill(name, kv_sharing, setup):
     folder, _, ref = setup[name]
     prompt = PROMPTS[3] + PROMPTS[0]
-    target, cache, proposer, runner = engine_parts(setup, name, kv_sharing=kv_sharing)
-    seq, proposals = prefill(target, proposer, runner, prompt, [0, 5, 11, len(prompt)])
+    engine = engine_parts(setup, name, kv_sharing=kv_sharing)
+    cache, proposer = engine.cache, engine.proposer
+    seq, proposals = prefill(engine, prompt, [0, 5, 11, len(prompt)])
     P, bs = len(prompt), cache.pool("draft").block_size
     if kv_sharing:
         # Nothing runs mid-prefill (every row there is a prompt position; the draft's sequence starts at
@@ -375,8 +363,7 @@ def test_chunked_target_prefill(name, kv_sharing, setup):
         # Row p needs t_p and h_(p-1): a chunk ending at e lets rows 0..e run (position e: a prompt token).
         assert [p[1:] for p in proposals] == [(e, math.ceil(e / bs)) for e in (6, 12, P + 1)]
     assert [len(p[0]) for p in proposals] == [0, 0, 3]
-    target2, _, proposer2, runner2 = engine_parts(setup, name, kv_sharing=kv_sharing)
-    _, whole = prefill(target2, proposer2, runner2, prompt, [0, len(prompt)])
+    _, whole = prefill(engine_parts(setup, name, kv_sharing=kv_sharing), prompt, [0, len(prompt)])
     assert whole[-1][0] == proposals[-1][0]
     layer = DEFAULT_LAYER[name] if kv_sharing else None
     aux, kv = target_states(folder, proposer.aux_layer_ids, [seq.token_ids], layer)[0]
@@ -385,12 +372,11 @@ def test_chunked_target_prefill(name, kv_sharing, setup):
 
 def test_a_prompt_whose_last_token_is_uncached_waits_with_sharing(setup):
     """A target that cached all but the last prompt token: the shared draft has no row to draft from."""
-    target, cache, proposer, runner = engine_parts(setup, "llama")
+    engine = engine_parts(setup, "llama")
+    cache, proposer = engine.cache, engine.proposer
     prompt = PROMPTS[0]
     seq = EngineSequence(0, prompt, GREEDY, seed=0, max_model_len=256)
-    out = runner.forward([Chunk(0, prompt[:-1])], proposer.aux_layer_ids)
-    proposer.on_step(StepFeedback(seqs=[seq], row_starts=[0], query_lens=[len(prompt) - 1], start_positions=[0],
-                                  num_drafts=[0], num_accepted=[0], target_output=out))
+    engine.forward(seq, prompt[:-1])
     assert proposer.propose([seq], [3]).draft_token_ids == [[]]
     assert cache.blocks_held(0, "draft") == 0
 
@@ -424,13 +410,10 @@ def _poison(pool, layers) -> None:
 def test_prompt_attention_reads_exactly_the_mapped_target_layer(name, setup):
     folder, _, ref = setup[name]
     prompt = PROMPTS[0] + PROMPTS[1]
-    target, cache, proposer, runner = engine_parts(setup, name)
+    engine = engine_parts(setup, name)
+    cache, proposer = engine.cache, engine.proposer
     seq = EngineSequence(0, prompt, GREEDY, seed=0, max_model_len=256)
-    chunk = [Chunk(0, prompt)]
-    out = runner.forward(chunk, proposer.aux_layer_ids)
-    seq.append(target.compute_logits(out.hidden_states[last_token_indices(chunk)]).argmax(-1).tolist())
-    proposer.on_step(StepFeedback(seqs=[seq], row_starts=[0], query_lens=[len(prompt)], start_positions=[0],
-                                  num_drafts=[0], num_accepted=[0], target_output=out))
+    out = engine.forward(seq, prompt)
     mapped = DEFAULT_LAYER[name.removesuffix("-random")]
     pool = cache.pool("target")
     blocks = torch.tensor(cache.block_table(0, "target"))
@@ -468,13 +451,10 @@ def test_unshifted_rows_and_bootstrap_without_sharing(name, setup):
     """The prefill runs N + 1 rows at positions 0..N: (t_p, h_(p-1)), a zero bootstrap hidden at 0."""
     _, _, ref = setup[name]
     prompt = PROMPTS[0]
-    target, cache, proposer, runner = engine_parts(setup, name, kv_sharing=False)
+    engine = engine_parts(setup, name, kv_sharing=False)
+    proposer = engine.proposer
     seq = EngineSequence(0, prompt, GREEDY, seed=0, max_model_len=256)
-    chunk = [Chunk(0, prompt)]
-    out = runner.forward(chunk, proposer.aux_layer_ids)
-    seq.append(target.compute_logits(out.hidden_states[last_token_indices(chunk)]).argmax(-1).tolist())
-    proposer.on_step(StepFeedback(seqs=[seq], row_starts=[0], query_lens=[len(prompt)], start_positions=[0],
-                                  num_drafts=[0], num_accepted=[0], target_output=out))
+    out = engine.forward(seq, prompt)
     positions, post = first_rows(proposer, seq)
     assert positions.tolist() == list(range(len(prompt) + 1))
     toks, hidden, _, _ = ref_rows(ref, seq.token_ids, out.aux_hidden_states)
@@ -578,8 +558,8 @@ def test_the_engine_page_size_check_sees_the_shared_pool(setup):
 
     folder, draft, _ = setup["llama"]
     llm = make_llm(setup, "llama", 2)
-    assert llm.engine.proposer.target_pools_read == ("target",)
-    assert make_llm(setup, "llama", 2, kv_sharing=False).engine.proposer.target_pools_read == ()
+    assert llm.engine.pools.draft.read == ("target",)
+    assert make_llm(setup, "llama", 2, kv_sharing=False).engine.pools.draft.read == ()
     with pytest.raises(PageSizeError, match="target pool 'target' .*page 4.* cannot be read by the draft .KV sharing."):
         LLM(str(folder), dtype="float64", block_size=BLOCK, kv_cache_memory=MEMORY,
             speculative_config=spec_config(draft, 2, attention_backend="aiter", block_size=16))

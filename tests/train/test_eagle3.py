@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner
+from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.models import load_model
 from specdec.proposers.eagle3 import load_eagle3_draft
 from specdec.train.eagle3 import (

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.backends import get_backend
 from specdec.cache import PagedKVCache
-from specdec.engine.model_runner import Chunk, ModelRunner
+from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.models import load_model
 from specdec.train.__main__ import main as train_main
 from specdec.train.balance import RouterBalancer

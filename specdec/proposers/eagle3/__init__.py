@@ -31,7 +31,7 @@ Module API (what a proposer drives; all tensors are ``[T, ...]`` over a flattene
   ``join_pool(target_mla_pool) -> layer index`` before the cache is built (it reserves
   ``mla_pool_layers()`` = 1 extra layer there and binds the draft), or ``bind_pool(pool, layer)`` for
   a layer reserved by hand; ``check_pool(pool)`` raises unless the latent shape matches.
-  With a pool of its own, run the draft with a :class:`~specdec.engine.model_runner.ModelRunner`
+  With a pool of its own, run the draft with a :class:`~specdec.runtime.model_runner.ModelRunner`
   over its pool names: ``ctx, positions = runner.prepare(chunks)``, then
   ``draft(ids, positions, hidden, ctx)``. In the target's MLA pool the draft's row for position ``p``
   sits in the target's slot for ``p`` (shifted prefill keeps draft and target positions aligned), so

@@ -17,9 +17,9 @@ where ``T = len(tokens) - 1`` is what the target has cached. The draft's KV has 
   its length is exactly the true-hidden rows, so the engine's generic truncation of every pool to
   the verified length never cuts into it;
 - one extra layer of the target's MLA pool (MLA draft under an MLA target): draft position p sits
-  in the target's slot for p. Its valid rows are tracked here; drafting may temporarily grow the
-  target pool's length into pages the scheduler already reserved, and restores it before the
-  target forward.
+  in the target's slot for p. Its valid rows are tracked here; the draft chain grows the target
+  pool's length into pages the scheduler already reserved, inside a cache scratch scope that
+  restores it before the target forward.
 
 ``position_offset`` and :meth:`Eagle3Proposer._bootstrap_hidden` are the hooks for an unshifted
 variant (draft row for target hidden h_p at position p+1, a bootstrap hidden at position 0).
@@ -35,10 +35,13 @@ import torch
 from specdec.backends import get_backend
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.engine.blocks import choose_block_size
 from specdec.models.base import ForwardContext
-from specdec.proposers.base import Proposal, ProposerBase, ProposerContext, StepFeedback
+from specdec.proposers.base import Proposal, ProposerBase, ProposerContext, ProposerPools, StepFeedback
+from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
+from specdec.proposers.options import ModelOptions
+from specdec.runtime.block_size import choose_block_size
+from specdec.runtime.model_runner import paged_metadata
 from specdec.sampling.processing import greedy_ids, target_probs
 from specdec.sampling.random import STREAM_DRAFT, categorical
 from specdec.sampling.sampler import SamplingBatch
@@ -84,46 +87,43 @@ class Eagle3Proposer(ProposerBase):
     request's parameters, seeded by (request seed, position, ``STREAM_DRAFT``), and report q.
     """
 
+    options_class = ModelOptions
     # Draft position of the row fed with target hidden index j is j + position_offset.
     position_offset = 0
     methods: tuple[str, ...] = METHODS  # speculative methods this class serves
+    default_method = "eagle3"
 
     def __init__(
         self,
         model: str,
         num_speculative_tokens: int,
         *,
-        method: str = "eagle3",
+        method: str | None = None,
         attention_backend: str | None = None,
         block_size: int | None = None,
     ):
-        if not (isinstance(num_speculative_tokens, int) and num_speculative_tokens >= 1):
-            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {num_speculative_tokens!r}")
+        keys = ModelOptions(
+            model=model,
+            num_speculative_tokens=num_speculative_tokens,
+            attention_backend=attention_backend,
+            block_size=block_size,
+        )
+        method = method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown EAGLE3 proposer method {method!r}; choose one of {list(self.methods)}")
-        self.model_path = model
-        self.num_speculative_tokens = num_speculative_tokens
+        self.model_path = keys.model
+        self.num_speculative_tokens = keys.num_speculative_tokens
         self.method = method
-        self.attention_backend = attention_backend
-        self.block_size = block_size
+        self.attention_backend = keys.attention_backend
+        self.block_size = keys.block_size
         self.draft = None
         self.pool: str | None = None  # where the draft's KV lives
         self.shares_target_pool = False
         self.aux_layer_ids: tuple[int, ...] = ()
         self._states: dict[Hashable, _RequestState] = {}
 
-    @classmethod
-    def from_config(cls, config) -> "Eagle3Proposer":
-        return cls(
-            config.model,
-            config.num_speculative_tokens,
-            method=config.method,
-            attention_backend=config.attention_backend,
-            block_size=config.block_size,
-        )
-
     # ----- setup -----
-    def setup(self, context: ProposerContext) -> None:
+    def setup(self, context: ProposerContext) -> ProposerPools:
         draft = load_eagle3_draft(
             self.model_path, context.target, dtype=context.dtype, device=context.device, method=self._load_method()
         )
@@ -131,18 +131,21 @@ class Eagle3Proposer(ProposerBase):
         shared = self._shared_pool(draft, context.target_pools, backend)
         if shared is not None:
             draft.join_pool(shared)
-            self.pool, self.shares_target_pool, self.pool_names = shared.name, True, ()
+            self.pool, self.shares_target_pool = shared.name, True
+            pools = ProposerPools(backend=backend, joined=(shared.name,))
         else:
             size = choose_block_size(
                 draft, backend, self.block_size, context.dtype, what="speculative config block_size"
             )
             (pool,) = [context.cache.register(p) for p in draft.kv_pools(DRAFT_POOL, size, context.dtype)]
-            self.pool, self.shares_target_pool, self.pool_names = pool.name, False, (pool.name,)
+            self.pool, self.shares_target_pool = pool.name, False
+            pools = ProposerPools(backend=backend, own=(pool.name,))
         self.draft = draft
         self.backend: AttentionBackend = backend
         self.cache: PagedKVCache = context.cache
         self.device = context.device
         self.aux_layer_ids = tuple(draft.aux_layer_ids)
+        return pools
 
     def _load_method(self) -> str:
         return self.method
@@ -189,21 +192,16 @@ class Eagle3Proposer(ProposerBase):
     def propose(self, seqs: Sequence, max_drafts: Sequence[int]) -> Proposal:
         if self.draft is None:
             raise RuntimeError("Eagle3Proposer.setup() must run before propose(); the engine calls it")
-        drafts: list[list[int]] = [[] for _ in seqs]
-        restore = {}  # request -> pool length to return to after drafting
         with torch.inference_mode():
-            ready, post, nxt = self._catch_up(seqs, max_drafts, restore)
-            if ready:
-                probs = self._chain([seqs[i] for i in ready], [max_drafts[i] for i in ready], post, nxt, ready,
-                                    drafts, len(seqs))
-            else:
-                probs = None
-        for request, length in restore.items():
-            if self.cache.num_tokens(request, self.pool) > length:
-                self.cache.truncate(request, length, [self.pool])
-        return Proposal(drafts, probs)
+            ready, post, nxt = self._catch_up(seqs, max_drafts)
+            if not ready:
+                return Proposal([[] for _ in seqs])
+            drafting = [seqs[i] for i in ready]
+            # Chain rows hold the draft's own guesses: only true-hidden rows outlive the proposal.
+            with self.cache.scratch([s.seq_id for s in drafting], [self.pool]):
+                return self._chain(drafting, ready, [max_drafts[i] for i in ready], post, nxt, len(seqs))
 
-    def _catch_up(self, seqs, max_drafts, restore):
+    def _catch_up(self, seqs, max_drafts):
         """Run the draft over every known target position it has not seen; returns the drafting rows.
 
         Returns ``(ready, post, next)``: indices into ``seqs`` that draft this step, and the
@@ -228,10 +226,10 @@ class Eagle3Proposer(ProposerBase):
                     f"{lo} but keeps them from {state.hidden_start}"
                 )
             hi = state.known
-            self._prepare_rows(seq.seq_id, lo, restore)
+            self._prepare_rows(seq.seq_id, lo)
             requests.append(seq.seq_id)
             tokens.append(seq.token_ids[lo + 1 : hi + 1])
-            positions.append(list(range(lo + off, hi + off)))
+            positions.append((lo + off, hi + off))
             hidden.append(state.hidden[lo - state.hidden_start : hi - state.hidden_start])
             state.done = hi
             # Keep only the last consumed row (for a step that brings nothing new); a copy, so the
@@ -243,20 +241,15 @@ class Eagle3Proposer(ProposerBase):
         if not requests:
             return [], None, None
         post, nxt = self._forward(requests, tokens, positions, torch.cat(hidden))
-        if not self.shares_target_pool:
-            for seq_id in requests:
-                restore[seq_id] = self.cache.num_tokens(seq_id, self.pool)
         if not ready:
             return [], None, None
         index = torch.tensor(last_rows, dtype=torch.long, device=post.device)
         return ready, post[index], nxt[index]
 
-    def _prepare_rows(self, request: Hashable, lo: int, restore) -> None:
+    def _prepare_rows(self, request: Hashable, lo: int) -> None:
         """Make the draft KV end at hidden index ``lo`` before rows ``lo..`` are (re)written."""
         if self.shares_target_pool:
-            # The target's pool: never shrink it, only remember its length to restore after drafting.
-            restore.setdefault(request, self.cache.num_tokens(request, self.pool))
-            return
+            return  # the target's pool: its rows at verified positions are rewritten in place
         want = lo + self.position_offset
         have = self.cache.num_tokens(request, self.pool)
         if have > want:
@@ -267,42 +260,31 @@ class Eagle3Proposer(ProposerBase):
                 "something truncated it below the draft's verified rows"
             )
 
-    def _chain(self, seqs, limits, post, nxt, ready, drafts, batch_size):
+    def _chain(self, seqs, index, limits, post, nxt, batch_size) -> Proposal:
         """Draft up to ``limits[r]`` tokens per ready request from its last catch-up row."""
-        draft, k = self.draft, self.num_speculative_tokens
-        sampled = not all(s.params.greedy for s in seqs)
-        batch, probs = None, None  # all-greedy steps draft the argmax and need neither
-        if sampled:
-            batch = SamplingBatch.for_sequences(seqs, self.device)
-            probs = torch.zeros(batch_size, k, draft.vocab_size, dtype=torch.float64, device=self.device)
-        rows = list(range(len(seqs)))  # rows of ``batch`` still drafting
-        step = 0
-        while True:
-            tokens, q = self._draw(draft.compute_logits(post), batch, step, sampled)
-            token_list = tokens.tolist()
-            for r, token in zip(rows, token_list):
-                drafts[ready[r]].append(token)
-            if q is not None:
-                probs[torch.tensor([ready[r] for r in rows]), step] = q.to(torch.float64)
-            step += 1
-            keep = [n for n, r in enumerate(rows) if limits[r] > step]
-            if not keep:
-                return probs
-            if len(keep) < len(rows):
-                index = torch.tensor(keep)
-                batch = batch.select(index) if sampled else None
-                nxt = nxt[index.to(nxt.device)]
-                token_list = [token_list[n] for n in keep]
-            rows = [rows[n] for n in keep]
-            off = self.position_offset
-            requests = [seqs[r].seq_id for r in rows]
-            positions = [[seqs[r].num_tokens - 2 + step + off] for r in rows]
-            post, nxt = self._forward(requests, [[t] for t in token_list], positions, nxt)
+        fed = nxt  # the hidden state each still-drafting row feeds to its next draft step
 
-    def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch | None, step: int, sampled: bool):
+        def advance(step: int, kept: list[int], rows: list[int], tokens: list[int]) -> torch.Tensor:
+            nonlocal fed
+            if len(kept) < fed.shape[0]:
+                fed = fed[torch.tensor(kept, device=fed.device)]
+            # Draft ``step`` (0-based) of a request with T cached tokens sits at position T - 1 + step.
+            starts = [seqs[r].num_tokens - 2 + step + self.position_offset for r in rows]
+            post, fed = self._forward(
+                [seqs[r].seq_id for r in rows], [[t] for t in tokens], [(p, p + 1) for p in starts], fed
+            )
+            return self.draft.compute_logits(post)
+
+        return draft_chain(
+            seqs, index, limits, self.draft.compute_logits(post), self._draw, advance,
+            batch_size=batch_size, num_speculative_tokens=self.num_speculative_tokens,
+            vocab_size=self.draft.vocab_size, device=self.device,
+        )
+
+    def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch | None, step: int):
         """Draft target ids for one position and, when any row samples, their q over the target vocab."""
         argmax = self.draft.draft_to_target(greedy_ids(draft_logits))
-        if not sampled:
+        if batch is None:
             return argmax, None
         q = target_probs(self.draft.target_logits(draft_logits), batch.temperature, batch.top_k, batch.top_p)
         tokens = categorical(q, batch.seeds, batch.counters + step, STREAM_DRAFT)
@@ -315,59 +297,50 @@ class Eagle3Proposer(ProposerBase):
         return tokens, q
 
     def _forward(self, requests, tokens, positions, hidden):
-        """One draft forward over a varlen batch of (tokens, positions, hidden) per request."""
-        meta = self._metadata(requests, positions)
-        ctx = ForwardContext(self.backend, self.cache, {self.pool: meta})
+        """One draft forward over a varlen batch: per request its tokens, at positions ``lo .. hi - 1``."""
+        ctx = ForwardContext(self.backend, self.cache, {self.pool: self._metadata(requests, positions)})
+        return self.draft(*self._inputs(tokens, positions), hidden, ctx)
+
+    def _inputs(self, tokens, positions) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
-        pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=self.device)
-        return self.draft(ids, pos, hidden, ctx)
+        pos = torch.tensor([p for lo, hi in positions for p in range(lo, hi)], dtype=torch.long, device=self.device)
+        return ids, pos
 
     def _metadata(self, requests, positions) -> AttentionMetadata:
-        """Metadata for contiguous query ``positions[i]`` of each request in the draft's pool.
+        """Metadata for query positions ``lo .. hi - 1`` of each request in the draft's pool.
 
         Slots come from the pool's block table at the draft's own positions, which is what both homes
         need: the own pool grows by exactly these rows, and in the target's MLA pool draft position p
         is the target's slot for p (pages past the target's length are reserved by the scheduler).
-        A sequence that starts past 0 in the pool (``PagedKVCache.set_start``, an unshifted draft
-        sharing the prompt's KV) holds positions from its start, so pages are indexed from there.
         """
         cache, pool = self.cache, self.pool
-        bs = cache.pool(pool).block_size
-        slots, query_lens, seq_lens = [], [], []
-        for request, pos in zip(requests, positions):
-            end = pos[-1] + 1
+        slots = []
+        for request, (lo, hi) in zip(requests, positions):
             have = cache.num_tokens(request, pool)
-            if end > have:
-                cache.append_slots(request, end - have, [pool])
-            table = cache.block_table(request, pool)
-            first = cache.sequence_start(request, pool)
-            slots += [table[(p - first) // bs] * bs + (p - first) % bs for p in pos]
-            query_lens.append(len(pos))
-            seq_lens.append(end - first)
-        return AttentionMetadata.build(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=cache.block_tables(requests, pool).to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_size=bs,
+            if hi > have:
+                cache.append_slots(request, hi - have, [pool])
+            slots.append(cache.slots(request, pool, lo, hi))
+        return paged_metadata(
+            cache, pool, requests, [hi - lo for lo, hi in positions], [hi for _, hi in positions],
+            torch.cat(slots), self.device,
         )
 
     # ----- feedback -----
     def on_step(self, feedback: StepFeedback) -> None:
-        """Keep the fused target states of every verified row of the step (accepted drafts included)."""
-        if self.draft is None:
+        """Forget released requests; keep the fused target states of every verified row of the step."""
+        for request in feedback.released:
+            self._states.pop(request, None)
+        if self.draft is None or feedback.layout is None:
             return
+        layout = feedback.layout
         aux = feedback.target_output.aux_hidden_states
         take: list[tuple[Hashable, int, int]] = []  # (request, first position, rows)
         index: list[int] = []
-        for i, seq in enumerate(feedback.seqs):
-            if seq.is_finished:
+        for i, (seq, valid) in enumerate(zip(feedback.seqs, layout.kept_rows(feedback.num_accepted))):
+            if seq.is_finished or valid <= 0:
                 continue
-            valid = feedback.query_lens[i] - feedback.num_drafts[i] + feedback.num_accepted[i]
-            if valid <= 0:
-                continue
-            take.append((seq.seq_id, feedback.start_positions[i], valid))
-            index.extend(range(feedback.row_starts[i], feedback.row_starts[i] + valid))
+            take.append((seq.seq_id, layout.start_positions[i], valid))
+            index.extend(range(layout.row_starts[i], layout.row_starts[i] + valid))
         if not take:
             return
         if aux is None:
@@ -409,5 +382,9 @@ class Eagle3Proposer(ProposerBase):
             state.done = min(state.done, start)
         state.hidden = torch.cat([state.hidden, hidden])
 
-    def free(self, request: Hashable) -> None:
-        self._states.pop(request, None)
+
+
+class Eagle3MLAProposer(Eagle3Proposer):
+    """``eagle3.1-mla``: an EAGLE3.1 head with MLA attention that lives in the target's MLA pool."""
+
+    default_method = "eagle3.1-mla"

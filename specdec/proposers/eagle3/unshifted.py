@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from specdec.models.loader import read_config_json
-from specdec.proposers.base import Proposal, ProposerContext, StepFeedback
+from specdec.proposers.base import Proposal, ProposerContext, ProposerPools, StepFeedback
 from specdec.proposers.eagle3.kv_sharing import (
     KVSource,
     SharedKVContext,
@@ -47,8 +47,29 @@ from specdec.proposers.eagle3.kv_sharing import (
     resolve_shared_layer,
 )
 from specdec.proposers.eagle3.proposer import Eagle3Proposer
+from specdec.proposers.options import ModelOptions, option
+from specdec.validation import boolean, int_at_least
 
 BOOTSTRAPS = ("zeros",)
+
+
+@attrs.frozen(kw_only=True)
+class UnshiftedOptions(ModelOptions):
+    """``eagle3-unshifted``'s keys: the model-based ones, ``kv_sharing`` (default true) and, with
+    sharing, ``kv_sharing_target_layer`` (0-based; default: what the draft was trained to read, else
+    the last target layer with the draft's KV layout)."""
+
+    kv_sharing: bool | None = option(bool, boolean(optional=True))
+    kv_sharing_target_layer: int | None = option(int, int_at_least(0, optional=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.kv_sharing is None:
+            object.__setattr__(self, "kv_sharing", True)  # frozen: filling the default at construction
+        if self.kv_sharing_target_layer is not None and not self.kv_sharing:
+            raise ValueError(
+                "speculative config: kv_sharing_target_layer needs kv_sharing=true (without sharing the draft "
+                "reads no target layer); drop it or set kv_sharing=true"
+            )
 
 
 @attrs.frozen
@@ -95,53 +116,47 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
     for the default. ``attention_backend`` / ``block_size`` are the draft's, as for ``eagle3``.
     """
 
+    options_class = UnshiftedOptions
     position_offset = 1
     methods = ("eagle3-unshifted",)
+    default_method = "eagle3-unshifted"
 
     def __init__(
         self,
         model: str,
         num_speculative_tokens: int,
         *,
-        kv_sharing: bool = True,
+        kv_sharing: bool | None = None,
         kv_sharing_target_layer: int | None = None,
         attention_backend: str | None = None,
         block_size: int | None = None,
     ):
-        super().__init__(
-            model,
-            num_speculative_tokens,
-            method="eagle3-unshifted",
+        keys = UnshiftedOptions(
+            model=model,
+            num_speculative_tokens=num_speculative_tokens,
+            kv_sharing=kv_sharing,
+            kv_sharing_target_layer=kv_sharing_target_layer,
             attention_backend=attention_backend,
             block_size=block_size,
         )
-        if not isinstance(kv_sharing, bool):
-            raise ValueError(f"kv_sharing must be true or false, got {kv_sharing!r}")
-        if kv_sharing_target_layer is not None and not kv_sharing:
-            raise ValueError("kv_sharing_target_layer needs kv_sharing=true; drop it or turn sharing on")
-        self.kv_sharing = kv_sharing
-        self.kv_sharing_target_layer = kv_sharing_target_layer
+        super().__init__(
+            keys.model,
+            keys.num_speculative_tokens,
+            attention_backend=keys.attention_backend,
+            block_size=keys.block_size,
+        )
+        self.kv_sharing = keys.kv_sharing
+        self.kv_sharing_target_layer = keys.kv_sharing_target_layer
         self.shared_layer: SharedLayer | None = None
         self._boot: torch.Tensor | None = None
 
-    @classmethod
-    def from_config(cls, config) -> "UnshiftedEagle3Proposer":
-        return cls(
-            config.model,
-            config.num_speculative_tokens,
-            kv_sharing=True if config.kv_sharing is None else config.kv_sharing,
-            kv_sharing_target_layer=config.kv_sharing_target_layer,
-            attention_backend=config.attention_backend,
-            block_size=config.block_size,
-        )
-
     # ----- setup -----
-    def setup(self, context: ProposerContext) -> None:
+    def setup(self, context: ProposerContext) -> ProposerPools:
         options = UnshiftedDraftOptions.from_config(read_config_json(self.model_path))
-        super().setup(context)
+        pools = super().setup(context)
         self._boot = torch.zeros(1, self.draft.hidden_size, dtype=self.draft.fc.weight.dtype, device=self.device)
         if not self.kv_sharing:
-            return
+            return pools
         requested, declared = self.kv_sharing_target_layer, options.declared_target_layer
         if requested is not None and declared is not None and requested != declared:
             warnings.warn(
@@ -149,15 +164,11 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
                 "to read (eagle_config.kv_sharing_target_layers); expect lower acceptance",
                 stacklevel=2,
             )
-        # The engine's page-size check (specdec.engine.compat) sees the read pool via target_pools_read.
         self.shared_layer = resolve_shared_layer(
             context.target, context.target_pools, self.draft, requested=requested, declared=declared
         )
-
-    @property
-    def target_pools_read(self) -> tuple[str, ...]:
-        """Target pools the draft reads without writing (KV sharing), for the engine's page-size check."""
-        return (self.shared_layer.pool,) if self.shared_layer is not None else ()
+        # The prompt's KV is the target's: the draft's own pool starts each request at its prompt length.
+        return attrs.evolve(pools, read=(self.shared_layer.pool,), prompt_free=pools.own)
 
     def _shared_pool(self, draft, target_pools, backend):
         return None  # always a pool of its own (see the module docstring)
@@ -186,15 +197,13 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
             prefix_metadata(
                 cache.block_tables(requests, shared.pool).to(self.device),
                 [cache.sequence_start(r, self.pool) for r in requests],
-                [len(p) for p in positions],
+                [hi - lo for lo, hi in positions],
                 target_pool.block_size,
             ),
         )
         attn = self.draft.midlayer.self_attn
         ctx = SharedKVContext(self.backend, cache, {self.pool: meta}, shared={(attn.pool, attn.layer_idx): source})
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
-        pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=self.device)
-        return self.draft(ids, pos, hidden, ctx)
+        return self.draft(*self._inputs(tokens, positions), hidden, ctx)
 
     # ----- feedback -----
     def on_step(self, feedback: StepFeedback) -> None:
@@ -206,7 +215,6 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
             state = self._states.get(seq.seq_id)
             if state is None or seq.seq_id in known:
                 continue
-            # A new request: its own rows start at the prompt length; the prompt's KV is the target's.
-            prompt = seq.num_prompt_tokens
-            state.done = prompt - 1
-            self.cache.set_start(seq.seq_id, prompt, [self.pool])
+            # A new request: the draft's own rows begin at the prompt length (the engine started its
+            # pool sequence there); the prompt's positions are the target's KV.
+            state.done = seq.num_prompt_tokens - 1

@@ -1,0 +1,48 @@
+"""``specdec bench``: an offline serving benchmark, with and without speculation, in one process.
+
+The same prompts run twice through the engine's request/step loop, first without speculation (the
+baseline) and then with the given speculative config, at a fixed concurrency; the result is the
+table of seed 001 (Req/s, total and output tok/s, median TTFT, TPOT and ITL mean/median/p99, each
+with the spec run's change against the baseline) plus the acceptance per position.
+
+Definitions follow vLLM's ``benchmark_serving`` (a client streaming from a server):
+
+- a request *arrives* when the benchmark hands it to the engine. At most ``concurrency`` requests
+  are in flight; a new one is handed over as soon as one finishes (vLLM's client starts its clock
+  after its concurrency semaphore lets the request through, so the same holds there). Time spent
+  queued inside the engine counts, as it does behind a server.
+- token timestamps are taken when ``engine.step()`` returns, i.e. when a server would stream the
+  step's tokens: after verification and after the proposer's bookkeeping for the next step.
+- TTFT = first output token - arrival; E2EL = last output token - arrival.
+- TPOT = (E2EL - TTFT) / (output_len - 1), per request with more than one output token.
+- ITL = the gaps between consecutive *emissions* of a request. A speculative step emits several
+  tokens at once; like vLLM (one streamed chunk, one gap) that is a single ITL entry, so with
+  speculation ITL grows with the acceptance length while TPOT falls.
+- Req/s, output tok/s and total tok/s: completed requests, output tokens and prompt + output tokens
+  over the run's duration (first hand-over to last token).
+
+Every request uses ``ignore_eos`` so both runs produce the same number of tokens. Warm-up
+requests (the first ``warmup`` prompts, cycled) run before the clock starts and are not counted,
+neither in the timings nor in the acceptance counters.
+"""
+
+from specdec.bench.config import BenchConfig
+from specdec.bench.metrics import DELTA_KEYS, RequestRecord, deltas, summarize
+from specdec.bench.runner import run_benchmark, serve
+from specdec.bench.table import format_table, progress_to_stderr
+from specdec.bench.workload import load_prompts, read_dataset, synthetic_prompts
+
+__all__ = [
+    "DELTA_KEYS",
+    "BenchConfig",
+    "RequestRecord",
+    "deltas",
+    "format_table",
+    "load_prompts",
+    "progress_to_stderr",
+    "read_dataset",
+    "run_benchmark",
+    "serve",
+    "summarize",
+    "synthetic_prompts",
+]

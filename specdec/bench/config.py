@@ -1,0 +1,60 @@
+"""``BenchConfig``: the engine's options (``EngineArgs``, declared once) plus the benchmark's workload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from specdec.engine_args import EngineArgs, arg, engine_fields, label_with_flag, to_speculative_config
+from specdec.validation import int_at_least, number_at_least
+
+
+@attrs.frozen(kw_only=True)
+class BenchConfig(EngineArgs):
+    """One benchmark: the engine's settings (every ``EngineArgs`` field) and the workload.
+
+    - ``speculative_config``: the spec run's config (any ``LLM`` form); None runs the baseline only.
+    - Workload: ``dataset`` (a JSONL file of ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+      lines; its first ``num_prompts`` lines, all when None) or, without one, ``num_prompts``
+      (default 16) synthetic prompts of ``input_len`` token ids drawn uniformly from the model's
+      vocabulary (special tokens left out) with ``seed``. Every request generates ``output_len``
+      tokens (``ignore_eos``) at ``temperature`` (0 = greedy).
+    - ``concurrency``: requests in flight at most; ``warmup``: uncounted requests run first.
+    - Two engine defaults differ, to keep the default KV budget small: ``max_num_seqs`` None =
+      ``concurrency``; ``max_model_len`` None = the longest prompt + ``output_len``.
+    """
+
+    speculative_config: Any = arg(None, converter=to_speculative_config,
+                                  metavar="STR", help="the spec run's config, 'method:key=value,...' or JSON "
+                                                      "(default: baseline only)")
+    max_num_seqs: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
+                                   help="engine's running requests (default: --concurrency)")
+    max_model_len: int | None = arg(None, validator=int_at_least(2, optional=True), metavar="N", parse=int,
+                                    help="prompt + output tokens per request (default: longest prompt + --output-len)")
+    dataset: str | None = arg(None, metavar="FILE.jsonl",
+                              help='prompts, one {"prompt": str} or {"prompt_token_ids": [...]} a line '
+                                   "(default: synthetic)")
+    num_prompts: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
+                                  help="prompts to run (default: 16 synthetic, or the whole dataset)")
+    input_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
+                         help="synthetic prompt length (default: 64)")
+    output_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
+                          help="tokens generated per request (default: 64)")
+    concurrency: int = arg(4, validator=int_at_least(1), metavar="N", parse=int,
+                           help="requests in flight at most (default: 4)")
+    warmup: int = arg(1, validator=int_at_least(0), metavar="N", parse=int,
+                      help="uncounted requests run first (default: 1)")
+    temperature: float = arg(0.0, validator=number_at_least(0), metavar="T", parse=float,
+                             help="0 = greedy (default: 0)")
+
+    @classmethod
+    def _field_label(cls, name: str) -> str:
+        return label_with_flag(name)
+
+    def engine_args(self, speculative_config: Any, max_model_len: int) -> EngineArgs:
+        """The ``EngineArgs`` of one run (the baseline passes ``speculative_config=None``)."""
+        fields = dict(engine_fields(self))
+        fields.update(speculative_config=speculative_config, max_model_len=max_model_len,
+                      max_num_seqs=self.max_num_seqs or self.concurrency)
+        return EngineArgs(**fields)

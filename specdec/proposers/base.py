@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkabl
 import attrs
 import torch
 
+from specdec.proposers.options import ModelOptions, keys_from
+
 if TYPE_CHECKING:
     from specdec.backends.base import AttentionBackend
     from specdec.cache.paged_cache import PagedKVCache
@@ -146,3 +148,22 @@ class ProposerBase:
 
     def on_step(self, feedback: StepFeedback) -> None:
         pass
+
+
+@keys_from(ModelOptions)
+class ModelProposer(ProposerBase):
+    """A proposer that drafts with a model of its own: the keys of
+    :class:`~specdec.proposers.options.ModelOptions`, kept as attributes (``model_path``)."""
+
+    def __init__(
+        self,
+        model: str,
+        num_speculative_tokens: int,
+        *,
+        attention_backend: str | None = None,
+        block_size: int | None = None,
+    ):
+        self.model_path = model
+        self.num_speculative_tokens = num_speculative_tokens
+        self.attention_backend = attention_backend
+        self.block_size = block_size

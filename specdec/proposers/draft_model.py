@@ -8,9 +8,8 @@ import torch
 
 from specdec.backends import get_backend
 from specdec.models.loader import load_model
-from specdec.proposers.base import Proposal, ProposerBase, ProposerContext, ProposerPools
+from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools
 from specdec.proposers.chain import draft_chain
-from specdec.proposers.options import ModelOptions
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.sampling.processing import greedy_ids, target_probs
@@ -20,7 +19,7 @@ from specdec.sampling.sampler import SamplingBatch
 DRAFT_POOL = "draft"
 
 
-class DraftModelProposer(ProposerBase):
+class DraftModelProposer(ModelProposer):
     """Drafts with any supported architecture sharing the target's vocabulary.
 
     Keys: :class:`~specdec.proposers.options.ModelOptions` (``model``, ``attention_backend``,
@@ -36,28 +35,8 @@ class DraftModelProposer(ProposerBase):
     to the request's verified length, which for the draft is exactly the KV it can keep.
     """
 
-    options_class = ModelOptions
-
-    def __init__(
-        self,
-        model: str,
-        num_speculative_tokens: int,
-        *,
-        attention_backend: str | None = None,
-        block_size: int | None = None,
-    ):
-        keys = ModelOptions(
-            model=model,
-            num_speculative_tokens=num_speculative_tokens,
-            attention_backend=attention_backend,
-            block_size=block_size,
-        )
-        self.model_path = keys.model
-        self.num_speculative_tokens = keys.num_speculative_tokens
-        self.attention_backend = keys.attention_backend
-        self.block_size = keys.block_size
-        self.model = None
-        self.runner: ModelRunner | None = None
+    model = None
+    runner: ModelRunner | None = None
 
     def setup(self, context: ProposerContext) -> ProposerPools:
         model = load_model(self.model_path, dtype=context.dtype, device=context.device)

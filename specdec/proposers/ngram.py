@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specdec.proposers.base import Proposal, ProposerBase
-from specdec.proposers.options import CommonOptions, option
+from specdec.proposers.options import CommonOptions, keys_from, option
 from specdec.validation import int_at_least
 
 TokenSequence = Union[Sequence[int], np.ndarray, torch.Tensor]
@@ -86,6 +86,7 @@ class NgramOptions(CommonOptions):
         object.__setattr__(self, "prompt_lookup_max", hi)
 
 
+@keys_from(NgramOptions)
 class NgramProposer(ProposerBase):
     """Drafts the tokens that followed the latest earlier occurrence of the request's suffix.
 
@@ -94,19 +95,12 @@ class NgramProposer(ProposerBase):
     tokens instead of converting the whole list (``ngram_propose`` then runs on a view).
     """
 
-    options_class = NgramOptions
-
     def __init__(
         self, num_speculative_tokens: int, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None
     ):
-        keys = NgramOptions(
-            num_speculative_tokens=num_speculative_tokens,
-            prompt_lookup_min=prompt_lookup_min,
-            prompt_lookup_max=prompt_lookup_max,
-        )
-        self.num_speculative_tokens = keys.num_speculative_tokens
-        self.min_n = keys.prompt_lookup_min
-        self.max_n = keys.prompt_lookup_max
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
         self._buffers: dict[Hashable, tuple[np.ndarray, int]] = {}
 
     def propose(self, seqs: Sequence, max_drafts: Sequence[int]) -> Proposal:

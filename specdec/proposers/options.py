@@ -12,6 +12,7 @@ they appear.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import types
@@ -178,3 +179,32 @@ def factory_kwargs(factory: Callable[..., Any], options: Any) -> dict[str, Any]:
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return values
     return {k: v for k, v in values.items() if k in params}
+
+
+def keys_from(options_class: type):
+    """Class decorator: a proposer whose config keys are ``options_class``.
+
+    The class gets it as its ``options_class``, and every construction first validates the arguments
+    that are keys with it (defaults filled in, as a config would), so a proposer built by hand is
+    checked exactly like one built from a speculative config.
+    """
+    names = set(attrs.fields_dict(options_class))
+
+    def decorate(cls):
+        init = cls.__init__
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def checked_init(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            keys = {k: v for k, v in bound.arguments.items() if k in names}
+            validated = options_class(**keys)
+            bound.arguments.update({k: getattr(validated, k) for k in keys})
+            init(*bound.args, **bound.kwargs)
+
+        cls.__init__ = checked_init
+        cls.options_class = options_class
+        return cls
+
+    return decorate

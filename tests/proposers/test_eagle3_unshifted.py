@@ -300,7 +300,7 @@ def test_lossless_under_preemption_with_mixed_sampling(kv_sharing, setup, baseli
 @pytest.mark.parametrize("kv_sharing", [False, True])
 def test_the_shared_draft_pool_holds_no_prompt_pages(kv_sharing, setup):
     llm = make_llm(setup, "llama", 3, kv_sharing=kv_sharing)
-    cache, proposer = llm.engine.cache, llm.engine.proposer
+    cache = llm.engine.cache
     assert llm.engine.pools.draft.own == ("draft",) and list(cache.pools) == ["target", "draft"]
     bs = cache.pool("draft").block_size
     seen = []

@@ -36,10 +36,9 @@ from specdec.backends import get_backend
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.models.base import ForwardContext
-from specdec.proposers.base import Proposal, ProposerBase, ProposerContext, ProposerPools, StepFeedback
+from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools, StepFeedback
 from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
-from specdec.proposers.options import ModelOptions
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import paged_metadata
 from specdec.sampling.processing import greedy_ids, target_probs
@@ -70,7 +69,7 @@ class _RequestState:
         return self.hidden_start + self.hidden.shape[0]
 
 
-class Eagle3Proposer(ProposerBase):
+class Eagle3Proposer(ModelProposer):
     """Drafts with an EAGLE3 / EAGLE3.1 head (MHA or MLA) loaded by ``load_eagle3_draft``.
 
     - ``method``: ``"eagle3"`` takes the draft its config describes; an MLA draft joins the
@@ -87,7 +86,6 @@ class Eagle3Proposer(ProposerBase):
     request's parameters, seeded by (request seed, position, ``STREAM_DRAFT``), and report q.
     """
 
-    options_class = ModelOptions
     # Draft position of the row fed with target hidden index j is j + position_offset.
     position_offset = 0
     methods: tuple[str, ...] = METHODS  # speculative methods this class serves
@@ -102,20 +100,11 @@ class Eagle3Proposer(ProposerBase):
         attention_backend: str | None = None,
         block_size: int | None = None,
     ):
-        keys = ModelOptions(
-            model=model,
-            num_speculative_tokens=num_speculative_tokens,
-            attention_backend=attention_backend,
-            block_size=block_size,
-        )
+        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size)
         method = method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown EAGLE3 proposer method {method!r}; choose one of {list(self.methods)}")
-        self.model_path = keys.model
-        self.num_speculative_tokens = keys.num_speculative_tokens
         self.method = method
-        self.attention_backend = keys.attention_backend
-        self.block_size = keys.block_size
         self.draft = None
         self.pool: str | None = None  # where the draft's KV lives
         self.shares_target_pool = False

@@ -47,7 +47,7 @@ from specdec.proposers.eagle3.kv_sharing import (
     resolve_shared_layer,
 )
 from specdec.proposers.eagle3.proposer import Eagle3Proposer
-from specdec.proposers.options import ModelOptions, option
+from specdec.proposers.options import ModelOptions, keys_from, option
 from specdec.validation import boolean, int_at_least
 
 BOOTSTRAPS = ("zeros",)
@@ -109,6 +109,7 @@ class UnshiftedDraftOptions:
         return cls(bootstrap=boot, declared_target_layer=layer)
 
 
+@keys_from(UnshiftedOptions)
 class UnshiftedEagle3Proposer(Eagle3Proposer):
     """EAGLE3 with unshifted positions; ``kv_sharing`` makes the draft read the target's prompt KV.
 
@@ -116,7 +117,6 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
     for the default. ``attention_backend`` / ``block_size`` are the draft's, as for ``eagle3``.
     """
 
-    options_class = UnshiftedOptions
     position_offset = 1
     methods = ("eagle3-unshifted",)
     default_method = "eagle3-unshifted"
@@ -131,22 +131,9 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         attention_backend: str | None = None,
         block_size: int | None = None,
     ):
-        keys = UnshiftedOptions(
-            model=model,
-            num_speculative_tokens=num_speculative_tokens,
-            kv_sharing=kv_sharing,
-            kv_sharing_target_layer=kv_sharing_target_layer,
-            attention_backend=attention_backend,
-            block_size=block_size,
-        )
-        super().__init__(
-            keys.model,
-            keys.num_speculative_tokens,
-            attention_backend=keys.attention_backend,
-            block_size=keys.block_size,
-        )
-        self.kv_sharing = keys.kv_sharing
-        self.kv_sharing_target_layer = keys.kv_sharing_target_layer
+        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size)
+        self.kv_sharing = kv_sharing
+        self.kv_sharing_target_layer = kv_sharing_target_layer
         self.shared_layer: SharedLayer | None = None
         self._boot: torch.Tensor | None = None
 

@@ -12,10 +12,11 @@ from specdec.engine.pools import register_pools
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine_args import EngineArgs
 from specdec.models.loader import load_model
+from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput, StepOutput
 from specdec.proposers.registry import create_proposer
 from specdec.sampling.params import SamplingParams
-from specdec.tokenizer import decode, encode, load_tokenizer
+from specdec.tokenizer import encode, load_tokenizer
 
 # The default KV budget never takes more than this share of the memory available at start-up.
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -85,6 +86,7 @@ class LLM:
         (the defaults). ``use_tqdm``: a progress bar; None = only when stderr is a terminal.
         ``on_step``: called with every engine step's :class:`~specdec.outputs.StepOutput` (per request:
         the tokens it emitted, its drafts and how many were accepted), e.g. to trace acceptance.
+        Stop strings (``SamplingParams.stop``) are matched on the decoded text.
         Every request is checked before any runs; one that can never fit the KV cache raises
         ``ValueError`` naming ``kv_cache_memory``.
         """
@@ -98,16 +100,20 @@ class LLM:
             params = [sampling_params] * len(ids)
         else:
             params = list(sampling_params)
-        seqs = self.engine.generate(ids, params, use_tqdm=use_tqdm, on_step=on_step)
-        return [
-            RequestOutput(
-                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                token_ids=seq.output_token_ids,
-                text=decode(self.tokenizer, seq.output_token_ids) if self.tokenizer is not None else None,
-                finish_reason=seq.finish_reason,
-            )
-            for seq in seqs
-        ]
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(ids)} prompts; pass one or one per prompt")
+        seqs = [self.engine.make_sequence(p, sp, index=i) for i, (p, sp) in enumerate(zip(ids, params))]
+        processor = OutputProcessor(self.tokenizer)
+        states = [processor.add(seq.seq_id, seq.index, p, seq.params) for seq, p in zip(seqs, ids)]
+
+        def observe(out: StepOutput) -> None:
+            for request in processor.process(out):
+                self.engine.abort(request, "stop")
+            if on_step is not None:
+                on_step(out)
+
+        self.engine.run(seqs, use_tqdm=use_tqdm, on_step=observe)
+        return [state.output() for state in states]
 
     def spec_stats(self):
         """Speculation counters since construction or :meth:`reset_spec_stats`; None without speculation."""

@@ -14,14 +14,18 @@ class RequestOutput:
     - ``prompt_token_ids``: the prompt as token ids (encoded when it was given as text).
     - ``token_ids``: the generated ids, including the stop token that ended it, if any.
     - ``text``: ``token_ids`` decoded (special tokens skipped); None without a tokenizer.
-    - ``finish_reason``: ``"stop"`` (EOS or a ``stop_token_ids`` entry) or ``"length"``
-      (``max_tokens`` or ``max_model_len`` reached).
+    - ``finish_reason``: ``"stop"`` (EOS, a ``stop_token_ids`` entry or a ``stop`` string) or
+      ``"length"`` (``max_tokens`` or ``max_model_len`` reached).
+    - ``logprobs`` / ``prompt_logprobs``: one :class:`TokenLogprob` per generated token / per prompt
+      token after the first, when ``SamplingParams`` asked for them (else None).
     """
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
+    logprobs: list["TokenLogprob"] | None = None
+    prompt_logprobs: tuple["TokenLogprob", ...] | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -41,6 +45,9 @@ class RequestStep:
       cut after a stop token); ``draft_token_ids``: the drafts it was given (empty without), of which
       the first ``num_accepted`` were accepted.
     - ``finish_reason``: None while it runs, else ``"stop"``, ``"length"`` or ``"abort"``.
+    - ``logprobs``: one :class:`TokenLogprob` per new token when the request asked for them;
+      ``prompt_logprobs``: in the step that computed the prompt (again after a preemption's recompute),
+      one per prompt token after the first.
     """
 
     request_id: int
@@ -49,6 +56,8 @@ class RequestStep:
     draft_token_ids: tuple[int, ...] = ()
     num_accepted: int = 0
     finish_reason: str | None = None
+    logprobs: tuple["TokenLogprob", ...] | None = None
+    prompt_logprobs: tuple["TokenLogprob", ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,3 +96,13 @@ def trace_entries(steps: Sequence[StepOutput]) -> list[dict]:
         for r in out.requests
         if r.draft_token_ids
     ]
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A token's log-probability and the ``top`` most likely alternatives at its position, each
+    ``(token_id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

@@ -144,3 +144,73 @@ def test_progress_bar_on_request_and_off_by_default_when_not_a_terminal(llm, cap
     assert "2/2" in capsys.readouterr().err
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))  # stderr is not a tty under pytest
     assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- stop strings and logprobs
+ZOO_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n"]
+SPECS = [None, "ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=3",
+         "eagle3:model={zoo}/llama-tiny-eagle3,num_speculative_tokens=3"]
+
+
+@pytest.fixture(scope="module")
+def zoo_llama():
+    from specdec.zoo import zoo_path
+
+    return str(zoo_path("llama-tiny"))
+
+
+def test_stop_strings_end_the_text_at_the_same_token_with_and_without_speculation(zoo_llama):
+    from specdec.zoo import zoo_path
+
+    params = SamplingParams(max_tokens=48, stop=["\n\n", " of the list", "sys\nimport"])
+    runs = []
+    for spec in SPECS:
+        spec = spec.format(zoo=zoo_path("llama-tiny").parent) if spec else None
+        llm = LLM(zoo_llama, dtype="float64", kv_cache_memory=1 << 24, speculative_config=spec)
+        runs.append(llm.generate(ZOO_PROMPTS, params, use_tqdm=False))
+    free = LLM(zoo_llama, dtype="float64", kv_cache_memory=1 << 24).generate(
+        ZOO_PROMPTS, SamplingParams(max_tokens=48), use_tqdm=False)
+    tok = LLM(zoo_llama, kv_cache_memory=1 << 22).tokenizer
+    for plain, unstopped in zip(runs[0], free):
+        cut = min(i for i in (unstopped.text.find(s) for s in params.stop) if i >= 0)
+        assert plain.finish_reason == "stop" and plain.text == unstopped.text[:cut]
+        assert plain.token_ids == unstopped.token_ids[: len(plain.token_ids)]
+        assert plain.text == tok.decode(plain.token_ids)[:cut]  # the tokens up to the one completing the stop
+    for other in runs[1:]:
+        assert [(o.token_ids, o.text, o.finish_reason) for o in other] == \
+               [(o.token_ids, o.text, o.finish_reason) for o in runs[0]]
+
+
+def test_logprobs_are_the_models_and_equal_with_speculation(llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    plain = LLM(llama, dtype="float64", kv_cache_memory=1 << 22).generate(PROMPTS[:3], params, use_tqdm=False)
+    spec = LLM(llama, dtype="float64", kv_cache_memory=1 << 22,
+               speculative_config="ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2")
+    spec_out = spec.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert spec.spec_stats().num_accepted_tokens > 0
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float64)
+    for a, b, prompt in zip(plain, spec_out, PROMPTS):
+        assert a.token_ids == b.token_ids
+        ids = prompt + a.token_ids
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+        got = [(lp.token_id, lp.logprob, lp.top) for lp in (*a.prompt_logprobs, *a.logprobs)]
+        assert [t for t, _, _ in got] == ids[1:]
+        for pos, (token, logprob, top) in enumerate(got):
+            # transformers computes norms and RoPE in float32 even in a float64 model (FACTS.md 7).
+            assert logprob == pytest.approx(float(want[pos, token]), abs=1e-6)
+            assert [t for t, _ in top] == want[pos].topk(len(top)).indices.tolist() and len(top) == (
+                2 if pos < len(prompt) - 1 else 3)
+        for x, y in zip((*a.prompt_logprobs, *a.logprobs), (*b.prompt_logprobs, *b.logprobs)):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-12)
+    assert LLM(llama, dtype="float64", kv_cache_memory=1 << 22).generate(
+        [[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].logprobs is None
+
+
+def test_stop_strings_need_a_tokenizer(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama_draft")), dtype="float64", kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="stop strings, but the model folder has no tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(stop="x"), use_tqdm=False)

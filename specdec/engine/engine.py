@@ -17,6 +17,7 @@ Who writes the paged cache, by phase of a step (nobody else does):
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from typing import Callable, Iterable, Sequence
@@ -34,6 +35,7 @@ from specdec.proposers.base import Proposal, Proposer, StepFeedback
 from specdec.runtime.layout import StepLayout
 from specdec.runtime.model_runner import ModelRunner
 from specdec.runtime.sequence import Sequence as EngineSequence
+from specdec.sampling.logprobs import token_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sampler import Sampler, SamplingBatch
 from specdec.spec_stats import SpecStats
@@ -160,11 +162,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def abort(self, seq: EngineSequence) -> None:
-        """Drop an unfinished request wherever it is: its pages and the proposer's state go now."""
-        if seq.is_finished:
+    def abort(self, request_id: int, reason: str = "abort") -> None:
+        """Finish request ``request_id`` now if it is unfinished, wherever it is, with ``finish_reason``
+        ``reason`` (a front end ends one with ``"stop"`` at a stop string): its pages and the proposer's
+        state go at once."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
             return
-        self.scheduler.abort(seq)
+        self.scheduler.abort(seq, reason)
         self.cache.free(seq.seq_id)
         if self.proposer is not None:
             self.proposer.on_step(StepFeedback(finished=(seq.seq_id,)))
@@ -185,6 +190,20 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         seqs = [self.make_sequence(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self.run(seqs, use_tqdm=use_tqdm, on_step=on_step)
+        return seqs
+
+    def run(
+        self,
+        seqs: Sequence[EngineSequence],
+        *,
+        use_tqdm: bool | None = False,
+        on_step: Callable[[StepOutput], None] | None = None,
+    ) -> None:
+        """Queue ``seqs`` (made by :meth:`make_sequence`) and step until nothing is left unfinished.
+
+        Interrupted (Ctrl-C) or failed, it drops these requests, so the next call starts clean.
+        """
         for seq in seqs:
             self.add_sequence(seq)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
@@ -201,14 +220,12 @@ class LLMEngine:
                 if bar is not None and out.finished:
                     bar.update(len(out.finished))
         except BaseException:
-            # Interrupted (Ctrl-C) or failed: drop this call's requests so the next call starts clean.
             for seq in seqs:
-                self.abort(seq)
+                self.abort(seq.seq_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return seqs
 
     # ----- one step -----
     def step(self) -> StepOutput:
@@ -244,7 +261,7 @@ class LLMEngine:
             num_accepted = [0] * len(seqs)
         else:
             num_accepted, emitted = self._verify(logits, layout, drafts, sampling)
-        return self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, preempted)
+        return self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted)
 
     def _start_prompt_free_pools(self, seqs: list[EngineSequence]) -> None:
         prompt_free = self.pools.draft.prompt_free
@@ -278,17 +295,24 @@ class LLMEngine:
         )
         return result.num_accepted.tolist(), result.emitted()
 
-    def _commit(self, seqs, layout, draft_ids, emitted, num_accepted, output, preempted) -> StepOutput:
+    def _commit(self, seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:
         """Append what each request emitted, cut every pool back to the verified length, release the
-        finished, tell the proposer; the step's :class:`StepOutput`."""
+        finished, tell the proposer; the step's :class:`StepOutput` (``logits``: the verify rows', for
+        the logprobs a request asks for)."""
         cache, truncated = self.cache, self.pools.per_request
         results, finished = [], []
         generated = 0
-        for seq, drafted, tokens, accepted in zip(seqs, draft_ids, emitted, num_accepted):
+        first_rows = list(itertools.accumulate((d + 1 for d in layout.num_drafts), initial=0))
+        for i, seq in enumerate(seqs):
             before = seq.num_tokens
-            generated += seq.append(tokens)
-            results.append(RequestStep(seq.seq_id, seq.index, tuple(seq.token_ids[before:]), tuple(drafted),
-                                       accepted if drafted else 0, seq.finish_reason))
+            generated += seq.append(emitted[i])
+            new = tuple(seq.token_ids[before:])
+            results.append(RequestStep(
+                seq.seq_id, seq.index, new, tuple(draft_ids[i]), num_accepted[i] if draft_ids[i] else 0,
+                seq.finish_reason,
+                logprobs=self._new_token_logprobs(seq, new, logits[first_rows[i] :]),
+                prompt_logprobs=self._prompt_logprobs(seq, layout, i, output),
+            ))
             if seq.is_finished:
                 finished.append(seq)
             elif self.proposer is not None:
@@ -311,6 +335,22 @@ class LLMEngine:
         self.stats.num_forward_tokens += layout.num_rows
         self.stats.num_generated_tokens += generated
         return out
+
+    @staticmethod
+    def _new_token_logprobs(seq, new: tuple[int, ...], rows: torch.Tensor):
+        """Logprobs of the step's new tokens (``rows`` start at the request's first verify row)."""
+        if seq.params.logprobs is None or not new:
+            return None
+        return tuple(token_logprobs(rows[: len(new)], new, seq.params.logprobs))
+
+    def _prompt_logprobs(self, seq, layout: StepLayout, i: int, output):
+        """Logprobs of the prompt's tokens 1.. when this step computed the prompt and the request asked."""
+        prompt = seq.num_prompt_tokens
+        if seq.params.prompt_logprobs is None or layout.start_positions[i] != 0 or prompt < 2:
+            return None
+        start = layout.row_starts[i]
+        logits = self.model.compute_logits(output.hidden_states[start : start + prompt - 1])
+        return tuple(token_logprobs(logits, seq.token_ids[1:prompt], seq.params.prompt_logprobs))
 
 
 def config_max_len(model: CausalLM) -> int:

@@ -84,18 +84,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def find(self, request_id: int) -> Sequence | None:
+        """The unfinished request with this id, running or waiting (None if there is none)."""
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == request_id:
+                return seq
+        return None
+
     def finish(self, seq: Sequence) -> None:
         """Stop scheduling a finished request (the engine frees its pages)."""
         self.running.remove(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is (the engine frees its pages)."""
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Drop an unfinished request wherever it is, finished for ``reason`` (the engine frees its pages)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        seq.finish_reason = reason
 
     # ----- one step -----
     def schedule(self) -> ScheduledBatch:

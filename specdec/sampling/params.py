@@ -2,46 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass; ``max_tokens=True`` is a mistake, not the number 1.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
-
-
-def _check_max_tokens(_inst: Any, _attr: Any, value: Any) -> None:
-    if not (_is_int(value) and value >= 1):
-        raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {value!r}")
-
-
-def _check_temperature(_inst: Any, _attr: Any, value: Any) -> None:
-    if not (_is_real(value) and value >= 0):
-        raise ValueError(
-            f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {value!r}"
-        )
-
-
-def _check_top_p(_inst: Any, _attr: Any, value: Any) -> None:
-    if not (_is_real(value) and 0 < value <= 1):
-        raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {value!r}")
-
-
-def _check_top_k(_inst: Any, _attr: Any, value: Any) -> None:
-    if not (_is_int(value) and value >= 0):
-        raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {value!r}")
-
-
-def _check_seed(_inst: Any, _attr: Any, value: Any) -> None:
-    if value is not None and not (_is_int(value) and -(2**63) <= value < 2**64):
-        raise ValueError(f"SamplingParams.seed must be None or a 64-bit int, got {value!r}")
+from specdec.validation import boolean, int_at_least, int_in_range, is_int, number_at_least, number_in
 
 
 def _to_stop_ids(value: Any) -> tuple[int, ...] | None:
@@ -52,15 +17,22 @@ def _to_stop_ids(value: Any) -> tuple[int, ...] | None:
             f"SamplingParams.stop_token_ids must be None or a list of token ids, got {value!r}"
         )
     ids = tuple(value)
-    bad = [t for t in ids if not (_is_int(t) and t >= 0)]
+    bad = [t for t in ids if not (is_int(t) and t >= 0)]
     if bad:
         raise ValueError(f"SamplingParams.stop_token_ids must hold ints >= 0, got {bad[0]!r}")
     return ids
 
 
-def _check_bool(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"SamplingParams.{attr.name} must be True or False, got {value!r}")
+def _to_stop_strings(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    strings = (value,) if isinstance(value, str) else value
+    if not hasattr(strings, "__iter__") or isinstance(strings, bytes):
+        raise ValueError(f"SamplingParams.stop must be None, a string or a list of strings, got {value!r}")
+    strings = tuple(strings)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {value!r}")
+    return strings
 
 
 @attrs.frozen
@@ -76,15 +48,29 @@ class SamplingParams:
       one get a seed assigned by the engine (see ``SamplingBatch.from_params``).
     - ``stop_token_ids``: generation stops after emitting any of these (kept as a tuple).
     - ``ignore_eos``: keep generating past the tokenizer's EOS.
+    - ``stop``: strings that end the output before their first occurrence in the detokenized text
+      (not returned; ``finish_reason`` ``"stop"``); needs a tokenizer.
+    - ``logprobs``: per generated token, the log-probability of the chosen token and of the
+      ``logprobs`` most likely ones (None = off, 0 = the chosen token only), from the model's
+      unprocessed distribution; ``prompt_logprobs`` likewise for every prompt token after the first.
     """
 
-    max_tokens: int = attrs.field(default=16, validator=_check_max_tokens)
-    temperature: float = attrs.field(default=0.0, validator=_check_temperature)
-    top_p: float = attrs.field(default=1.0, validator=_check_top_p)
-    top_k: int = attrs.field(default=0, validator=_check_top_k)
-    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    max_tokens: int = attrs.field(default=16, validator=int_at_least(1))
+    temperature: float = attrs.field(default=0.0, validator=number_at_least(0, meaning="0 = greedy"))
+    top_p: float = attrs.field(default=1.0, validator=number_in(0, 1, meaning="1 = off"))
+    top_k: int = attrs.field(default=0, validator=int_at_least(0, meaning="0 = off"))
+    seed: int | None = attrs.field(
+        default=None, validator=int_in_range(-(2**63), 2**64, optional=True, what="a 64-bit int")
+    )
     stop_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_stop_ids)
-    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    ignore_eos: bool = attrs.field(default=False, validator=boolean())
+    stop: tuple[str, ...] | None = attrs.field(default=None, converter=_to_stop_strings)
+    logprobs: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
+    prompt_logprobs: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
+
+    @classmethod
+    def _field_label(cls, name: str) -> str:
+        return f"SamplingParams.{name}"
 
     @property
     def greedy(self) -> bool:

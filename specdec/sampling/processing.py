@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     # float64 stays float64 (exactness tests); everything narrower is lifted to float32.
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -21,7 +21,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     Half-precision rows are lifted to float32 first: the same answer (the cast is exact), and CPU's
     half-precision argmax is several times slower than float32's.
     """
-    return logits.to(_work_dtype(logits.dtype)).argmax(dim=-1)
+    return logits.to(work_dtype(logits.dtype)).argmax(dim=-1)
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def target_probs(
         if t.shape != (n,):
             raise ValueError(f"{name} must have shape [{n}] (one per logits row), got {tuple(t.shape)}")
 
-    dtype = _work_dtype(logits.dtype)
+    dtype = work_dtype(logits.dtype)
     greedy = temperature <= 0
     x = logits.to(dtype)
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(dtype)

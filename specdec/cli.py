@@ -93,7 +93,45 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--trace", action="store_true",
                      help="also report, per step and request with drafts, the drafts, accepted count and emitted tokens")
     _add_bench_parser(sub)
+    _add_serve_parser(sub)
     return parser
+
+
+_SERVE_EPILOG = """\
+examples:
+  specdec serve ./minimax-m3-tiny --port 8000 --block-size 128 \\
+      --speculative-config.method eagle3 --speculative-config.model ./minimax-m3-tiny-eagle3 \\
+      --speculative-config.num_speculative_tokens 3
+  lm_eval --model local-completions --tasks TASK \\
+      --model_args model=./minimax-m3-tiny,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=16
+
+vLLM flags that mean nothing here (--gpu-memory-utilization, --compilation-config, --trust-remote-code,
+--async-scheduling, --tool-call-parser, ...) are accepted with one warning line each; flag names may
+use '_' for '-'.
+"""
+
+
+_SERVE = dict(
+    description="Serve a checkpoint over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+    "/detokenize, /tokenizer_info, /health and /metrics, with optional speculative decoding.",
+    epilog=_SERVE_EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+)
+
+
+def _add_serve_parser(sub) -> None:
+    from specdec.server.args import build_parser as build_serve_parser
+
+    build_serve_parser(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's flags)", **_SERVE))
+
+
+def _serve(argv: Sequence[str]) -> int:
+    # Parsed apart from the other commands: vLLM's flags and the dotted speculative config are taken
+    # out of argv before argparse sees it.
+    from specdec.server.args import build_parser as build_serve_parser
+    from specdec.server.launch import main as serve
+
+    return serve(build_serve_parser(_Parser(prog="specdec serve", **_SERVE)), argv)
 
 
 _BENCH_EPILOG = """\
@@ -174,7 +212,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["serve"]:
+            return _serve(argv[1:])
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help(sys.stderr)

@@ -78,6 +78,7 @@ class EngineArgs:
       below one full-length request).
     - ``max_num_seqs``: requests running at once.
     - ``max_model_len``: prompt + output tokens per request; None = the config's ``max_position_embeddings``.
+    - ``max_num_batched_tokens``: query tokens per forward (prefill + decode + drafts); None = no limit.
     - ``seed``: seeds requests that have no ``SamplingParams.seed`` (reproducible runs).
     """
 
@@ -98,6 +99,9 @@ class EngineArgs:
                             help="requests running at once (default: 256)")
     max_model_len: int | None = arg(None, validator=int_at_least(2, optional=True), metavar="N", parse=int,
                                     help="prompt + output tokens per request (default: the model's)")
+    max_num_batched_tokens: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
+                                             help="query tokens per forward (a longer prefill still runs, alone "
+                                                  "with the decodes; default: no limit)")
     seed: int = arg(0, validator=satisfies(is_int, "an int"), metavar="S", parse=int,
                     help="seed of the run's sampling (default: 0)")
 

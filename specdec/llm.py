@@ -43,7 +43,8 @@ class LLM:
 
     def _build(self, args: EngineArgs) -> None:
         backend = get_backend(args.attention_backend)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs))
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                              max_num_batched_tokens=args.max_num_batched_tokens))
         target = load_model(args.model, dtype=args.dtype)
         self.max_model_len = _max_model_len(target, args.max_model_len)
         self.tokenizer = load_tokenizer(args.model)

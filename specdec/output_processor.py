@@ -39,6 +39,7 @@ class RequestState:
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = attrs.Factory(list)
     _sent_tokens: int = 0
+    _sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -83,6 +84,13 @@ class RequestState:
         start, self._sent_tokens = self._sent_tokens, len(self.token_ids)
         logprobs = self.logprobs[start:] if self.logprobs is not None else None
         return self.token_ids[start:], logprobs
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's logprobs the first time they are there, for streaming (None otherwise)."""
+        if self.prompt_logprobs is None or self._sent_prompt_logprobs:
+            return None
+        self._sent_prompt_logprobs = True
+        return self.prompt_logprobs
 
     @property
     def num_accepted_tokens(self) -> int:

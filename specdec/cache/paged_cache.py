@@ -115,6 +115,12 @@ class PagedKVCache:
         tokens = max(math.ceil(num_tokens / p.block_size) * p.block_size for p in self._pools.values())
         return tokens * total_cost
 
+    def usage(self) -> float:
+        """The share of the allocated KV bytes that requests hold now (0 when nothing is allocated)."""
+        total = self.allocated_bytes()
+        used = sum(self._allocators[n].num_used * p.bytes_per_block() for n, p in self._pools.items())
+        return used / total if total else 0.0
+
     def num_free_blocks(self, pool: str) -> int:
         return self._allocators[pool].num_free
 

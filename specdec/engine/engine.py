@@ -162,6 +162,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def running_ids(self) -> list[int]:
+        """The requests holding KV now (the ones a step runs)."""
+        return [seq.seq_id for seq in self.scheduler.running]
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Finish request ``request_id`` now if it is unfinished, wherever it is, with ``finish_reason``
         ``reason`` (a front end ends one with ``"stop"`` at a stop string): its pages and the proposer's

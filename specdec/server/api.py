@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import os
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
@@ -314,7 +315,11 @@ class _Routes:
 
     # ----- inputs -----
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.args.model_name, self.args.model):
+        if name is None or name in (self.args.model_name, self.args.model):
+            return
+        # The checkpoint's folder however it is spelled (a client given an absolute path, the server a
+        # relative one) is the same model.
+        if not (os.path.isdir(name) and os.path.samefile(name, self.args.model)):
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.args.model_name}`",
                            "model")
 

@@ -105,48 +105,38 @@ def split_vllm_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, Any], li
     """Take the dotted speculative-config keys and the vLLM-only flags out of ``argv``.
 
     Returns the remaining arguments, the dotted keys as a dict, and one warning line per vLLM-only
-    flag. Raises :class:`ServerArgsError` for a dotted key without a value or a refused value.
+    flag. Raises :class:`ServerArgsError` for a flag without its value or a refused value.
     """
     rest, spec, warnings = [], {}, []
     items = _normalise(argv)
     i = 0
     while i < len(items):
-        item = items[i]
-        name, eq, inline = item.partition("=")
-        if name.startswith(SPEC_PREFIX):
-            key = name[len(SPEC_PREFIX):]
+        name, eq, inline = items[i].partition("=")
+        dotted = name.startswith(SPEC_PREFIX)
+        if not dotted and name not in VLLM_ONLY:
+            rest.append(items[i])
+            i += 1
+            continue
+        value = None
+        if dotted or VLLM_ONLY[name][0]:
             if eq:
-                raw, i = inline, i + 1
+                value, i = inline, i + 1
             elif i + 1 < len(items):
-                raw, i = items[i + 1], i + 2
+                value, i = items[i + 1], i + 2
             else:
-                raise ServerArgsError(f"{name} needs a value, e.g. {SPEC_PREFIX}num_speculative_tokens 3")
-            spec[key] = _json_or_text(raw)
+                raise ServerArgsError(f"{name} needs a value")
+        else:
+            i += 1
+        if dotted:
+            spec[name[len(SPEC_PREFIX):]] = _json_or_text(value)
             continue
-        if name in VLLM_ONLY:
-            takes_value, instead = VLLM_ONLY[name]
-            value = None
-            if takes_value:
-                if eq:
-                    value, i = inline, i + 1
-                elif i + 1 < len(items):
-                    value, i = items[i + 1], i + 2
-                else:
-                    raise ServerArgsError(f"{name} needs a value")
-            else:
-                i += 1
-            allowed = _CHECKED_VALUES.get(name)
-            if allowed is not None and value not in allowed:
-                raise ServerArgsError(f"{name} {value} is not supported: {instead}; allowed: {', '.join(allowed)}")
-            if not (name == "--tensor-parallel-size" and value == "1") and not (
-                    name == "--kv-cache-dtype" and value == "auto"):
-                shown = f"{name} {value}" if value is not None else name
-                warnings.append(f"warning: {shown} is a vLLM flag that specdec ignores: {instead}")
-            elif name == "--kv-cache-dtype":
-                warnings.append(f"warning: {name} auto: the KV cache is kept in the model's dtype, as vLLM's auto")
-            continue
-        rest.append(item)
-        i += 1
+        instead = VLLM_ONLY[name][1]
+        allowed = _CHECKED_VALUES.get(name)
+        if allowed is not None and value not in allowed:
+            raise ServerArgsError(f"{name} {value} is not supported: {instead}; allowed: {', '.join(allowed)}")
+        if (name, value) != ("--tensor-parallel-size", "1"):  # one process is what it asks for
+            shown = name if value is None else f"{name} {value}"
+            warnings.append(f"warning: {shown} is a vLLM flag that specdec ignores: {instead}")
     return rest, spec, warnings
 
 

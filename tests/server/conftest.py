@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -81,6 +80,17 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.base}/metrics").text)
+
+    def settled(self, timeout: float = 60.0) -> dict[str, float]:
+        """The metrics once nothing runs or waits and the KV cache is empty (fails after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]) == (
+                    0, 0, 0):
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"the server did not settle: {self.metrics()}")
 
 
 def parse_metrics(text: str) -> dict[str, float]:

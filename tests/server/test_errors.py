@@ -85,16 +85,6 @@ def test_past_the_request_limit_is_503_never_a_hang():
         assert httpx.get(f"{server.base}/health").status_code == 200
 
 
-def _settled(server, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 and \
-                m["vllm:kv_cache_usage_perc"] == 0:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"the server did not settle: {server.metrics()}")
-
 
 def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(chat_llama):
     with LiveServer(chat_llama, "--kv-cache-memory", MEMORY, "--speculative-config", eagle3_spec()) as server:
@@ -103,10 +93,10 @@ def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(chat_llama
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             assert engine.running_ids()  # it is running now; closing the stream aborts it
-        _settled(server)
+        server.settled()
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.base}/v1/completions", json={**LONG, "max_tokens": 4000}, timeout=0.5)
-        _settled(server)
+        server.settled()
         assert engine.proposer._states == {} and engine.cache.requests() == []
         assert server.server.engine.in_flight == 0
 
@@ -130,7 +120,7 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on():
         assert "planted proposer fault" in message
         assert httpx.post(url, json=ok).status_code == 200
         assert server.metrics()["specdec:engine_step_errors_total"] == 1
-        _settled(server)
+        server.settled()
 
 
 @pytest.mark.parametrize("sig, stream", [(signal.SIGTERM, False), (signal.SIGINT, True)])

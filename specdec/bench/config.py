@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from specdec.engine_args import EngineArgs, arg, engine_fields, label_with_flag, to_speculative_config
-from specdec.validation import int_at_least, number_at_least
+from specdec.validation import int_at_least, non_empty_str, number_at_least
 
 
 @attrs.frozen(kw_only=True)
@@ -23,7 +23,13 @@ class BenchConfig(EngineArgs):
     - ``concurrency``: requests in flight at most; ``warmup``: uncounted requests run first.
     - Two engine defaults differ, to keep the default KV budget small: ``max_num_seqs`` None =
       ``concurrency``; ``max_model_len`` None = the longest prompt + ``output_len``.
+    - ``base_url``: run over HTTP against that server (``specdec bench``'s ``--base-url``), with
+      ``baseline_url`` as the baseline if given; the engine options are then the servers'.
     """
+
+    def __attrs_post_init__(self) -> None:
+        if self.baseline_url is not None and self.base_url is None:
+            raise ValueError("baseline_url (--baseline-url) needs base_url (--base-url): the server to compare")
 
     speculative_config: Any = arg(None, converter=to_speculative_config,
                                   metavar="STR", help="the spec run's config, 'method:key=value,...' or JSON "
@@ -47,6 +53,11 @@ class BenchConfig(EngineArgs):
                       help="uncounted requests run first (default: 1)")
     temperature: float = arg(0.0, validator=number_at_least(0), metavar="T", parse=float,
                              help="0 = greedy (default: 0)")
+    base_url: str | None = arg(None, validator=non_empty_str(optional=True), metavar="URL",
+                               help="drive a running server (specdec serve) over HTTP instead of an in-process "
+                                    "engine; --model still gives the prompts' tokenizer")
+    baseline_url: str | None = arg(None, validator=non_empty_str(optional=True), metavar="URL",
+                                   help="with --base-url: a server without speculation to compare with")
 
     @classmethod
     def _field_label(cls, name: str) -> str:

@@ -94,6 +94,9 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     """
     say = progress or (lambda _msg: None)
     spec = config.speculative_config  # parsed when the config was built: a bad one fails before any run
+    if config.base_url is not None and spec is not None:
+        raise ValueError("--speculative-config is the server's over HTTP: start it with one, or compare two "
+                         "servers with --baseline-url")
     prompts = load_prompts(config)
     max_model_len = _max_model_len(config, prompts)
     settings = {
@@ -112,21 +115,42 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "seed": config.seed,
         "max_model_len": max_model_len,
     }
-    say("baseline (no speculation)")
-    baseline = _run(config, None, prompts, max_model_len, say)
-    speculative = None
-    if spec is not None:
-        say(f"speculative ({spec.method}, k={spec.num_speculative_tokens})")
-        speculative = _run(config, spec, prompts, max_model_len, say)
-    base_out = baseline.pop("_outputs")
+    if config.base_url is not None:
+        baseline, speculative = _runs_over_http(config, prompts, settings, say)
+    else:
+        say("baseline (no speculation)")
+        baseline = _run(config, None, prompts, max_model_len, say)
+        speculative = None
+        if spec is not None:
+            say(f"speculative ({spec.method}, k={spec.num_speculative_tokens})")
+            speculative = _run(config, spec, prompts, max_model_len, say)
+    outputs = [run.pop("_outputs") if run is not None else None for run in (baseline, speculative)]
     identical = None
-    if speculative is not None:
-        spec_out = speculative.pop("_outputs")
-        identical = sum(a == b for a, b in zip(base_out, spec_out))
+    if baseline is not None and speculative is not None:
+        identical = sum(a == b for a, b in zip(*outputs))
     return {
         "settings": settings,
         "baseline": baseline,
         "speculative": speculative,
-        "deltas": deltas(baseline, speculative) if speculative is not None else None,
+        "deltas": deltas(baseline, speculative) if baseline is not None and speculative is not None else None,
         "identical_outputs": identical,
     }
+
+
+def _runs_over_http(config: BenchConfig, prompts, settings: dict[str, Any], say):
+    """The run against ``base_url`` (and the baseline against ``baseline_url``), as (baseline, speculative):
+    a server without speculation is a baseline."""
+    from specdec.bench.http import run_over_http
+
+    common = dict(output_len=config.output_len, temperature=config.temperature, concurrency=config.concurrency,
+                  warmup=config.warmup, seed=config.seed, progress=say)
+    runs = [run_over_http(url, prompts, **common) for url in (config.baseline_url, config.base_url) if url]
+    for run in runs:
+        spec = run.pop("speculative_config")
+        if spec is not None:
+            settings["speculative_config"] = spec
+    settings.update(base_url=config.base_url, baseline_url=config.baseline_url, attention_backend="(server's)",
+                    dtype="(server's)")
+    if len(runs) == 2:
+        return runs[0], runs[1]
+    return (runs[0], None) if settings["speculative_config"] is None else (None, runs[0])

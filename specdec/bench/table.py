@@ -23,7 +23,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The seed 001 table (one row per run, deltas against the baseline) and the acceptance lines."""
     s = result["settings"]
     spec_cfg = s["speculative_config"]
-    runs = [("no", result["baseline"], None)]
+    runs = [("no", result["baseline"], None)] if result["baseline"] is not None else []
     if result["speculative"] is not None:
         label = f"{spec_cfg['method']} k={spec_cfg['num_speculative_tokens']}"
         runs.append((label, result["speculative"], result["deltas"]))
@@ -45,8 +45,9 @@ def format_table(result: dict[str, Any]) -> str:
             _triple(run, "itl"), _pct(d.get("mean_itl_ms")),
         ])
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    where = f"server: {s['base_url']}  " if s.get("base_url") else ""
     lines = [
-        f"model: {s['model']}  backend: {s['attention_backend']}  dtype: {s['dtype']}  "
+        f"{where}model: {s['model']}  backend: {s['attention_backend']}  dtype: {s['dtype']}  "
         f"prompts: {s['num_prompts']} ({'dataset ' + s['dataset'] if s['dataset'] else 'synthetic'})  "
         f"warm-up: {s['warmup']}",
     ]
@@ -65,7 +66,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"acceptance per position: {per_position}; draft acceptance rate {st['draft_acceptance_rate'] * 100:.1f}%; "
             f"mean acceptance length {st['mean_acceptance_length']:.2f} ({st['num_drafts']} drafts)"
         )
-        lines.append(f"outputs identical to the baseline: {result['identical_outputs']}/{s['num_prompts']}")
+        if result["identical_outputs"] is not None:
+            lines.append(f"outputs identical to the baseline: {result['identical_outputs']}/{s['num_prompts']}")
     return "\n".join(lines)
 
 

@@ -112,7 +112,8 @@ class _Routes:
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.args.model_name, "object": "model", "created": now(), "owned_by": "specdec",
-            "root": self.args.model, "max_model_len": self.server.max_model_len}]}
+            "root": self.args.model, "max_model_len": self.server.max_model_len,
+            "speculative_config": spec.to_dict() if (spec := self.args.speculative_config) is not None else None}]}
 
     async def health(self):
         if not self.server.engine_alive():
@@ -174,8 +175,11 @@ class _Routes:
             if want_logprobs is not None:
                 logprobs = completion_logprobs(completion_entries(choice, prompt_of[index], body.echo),
                                                self.token_text)
-            out.append({"index": index, "text": text, "logprobs": logprobs,
-                        "finish_reason": _finish(choice, drop_generated)})
+            entry = {"index": index, "text": text, "logprobs": logprobs,
+                     "finish_reason": _finish(choice, drop_generated)}
+            if body.return_token_ids:
+                entry.update(prompt_token_ids=prompt_of[index], token_ids=choice.token_ids)
+            out.append(entry)
         result = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name,
                   "choices": out, "usage": usage(choices, [len(p) for p in prompt_of])}
         return self._with_spec(result, choices, body)
@@ -190,7 +194,12 @@ class _Routes:
                 entries = [(None, prompt_of[index][0]), *((lp, lp.token_id) for lp in prompt), *entries]
             logprobs = completion_logprobs(entries, self.token_text) if want_logprobs is not None else None
             finish = _finish(choice, drop_generated) if delta.finished else None
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            part = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if body.return_token_ids:
+                part["token_ids"] = [] if drop_generated else list(delta.token_ids)
+                if first:
+                    part["prompt_token_ids"] = prompt_of[index]
+            return part
 
         return chunk
 

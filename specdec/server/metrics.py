@@ -46,6 +46,7 @@ class ServerMetrics:
         self.prefix_queries.labels(name)
         self.prefix_hits.labels(name)
         self.step_errors = counter("specdec:engine_step_errors", "Engine steps that raised.").labels(name)
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (recomputed later).").labels(name)
         def gauge(metric: str, doc: str) -> Gauge:
             return Gauge(metric, doc, labelnames=["model_name"], registry=self.registry).labels(name)
 
@@ -55,6 +56,7 @@ class ServerMetrics:
         self.interval = interval
         self._window = _Window(num_speculative_tokens)
         self._logged_at = self._last_step = time.monotonic()
+        self._preemptions_seen = 0
 
     def on_step(self, out: StepOutput, engine, seconds: float) -> None:
         now = time.monotonic()
@@ -73,6 +75,8 @@ class ServerMetrics:
             window.add(len(part.draft_token_ids), part.num_accepted)
             for i in range(part.num_accepted):
                 self.accepted_per_pos[i].inc()
+        self.preemptions.inc(engine.stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = engine.stats.num_preemptions
         self.observe_engine(engine)
         if now - self._logged_at >= self.interval:
             self._log(now - self._logged_at, engine)
@@ -80,6 +84,7 @@ class ServerMetrics:
             self._window = _Window(len(self.accepted_per_pos))
 
     def observe_engine(self, engine) -> None:
+        """Set the gauges from the engine (also from the /metrics route: reads only)."""
         self.running.set(len(engine.running_ids()))
         self.waiting.set(engine.num_waiting())
         self.kv_usage.set(engine.cache.usage())

@@ -86,6 +86,7 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
 
     @field_validator("prompt")
     @classmethod

@@ -1,0 +1,127 @@
+"""``specdec bench --base-url``: the same workload against a running server, over HTTP.
+
+An async httpx client streams ``/v1/completions`` (token-id prompts, ``ignore_eos``, vLLM's
+``return_token_ids``) with at most ``concurrency`` requests in flight, as vLLM's
+``benchmark_serving`` does: a request arrives when the concurrency limit lets it through, and each
+streamed chunk is one emission (a speculative step's tokens come in one chunk). The acceptance figures
+are the server's ``/metrics`` counters after the run minus before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Sequence
+
+import httpx
+
+from specdec.bench.metrics import RequestRecord, summarize
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def server_card(base_url: str) -> dict[str, Any]:
+    """The served model's entry of ``/v1/models`` (its name and speculative config)."""
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as err:
+        raise ValueError(f"no specdec server answers at {base_url} ({err}); start one with 'specdec serve'") from None
+    return response.json()["data"][0]
+
+
+def read_counters(base_url: str) -> dict[str, float]:
+    """The server's counters, summed over labels other than ``position``."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        name, _, labels = key.partition("{")
+        position = next((x for x in labels.rstrip("}").split(",") if x.startswith("position=")), None)
+        if position is not None:
+            name = f"{name}[{position.split('=')[1].strip(chr(34))}]"
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int) -> dict[str, Any]:
+    """``SpecStats.as_dict()``'s figures from two readings of the counters."""
+    drafts, drafted, accepted = (after.get(n, 0) - before.get(n, 0) for n in SPEC_COUNTERS)
+    per_position = [int(after.get(f"{PER_POSITION}[{i}]", 0) - before.get(f"{PER_POSITION}[{i}]", 0)) for i in range(k)]
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(drafted),
+        "num_accepted_tokens": int(accepted),
+        "accepted_per_position": per_position,
+        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in per_position],
+        "mean_acceptance_length": 1.0 + (accepted / drafts if drafts else 0.0),
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord) -> list[int]:
+    tokens: list[int] = []
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise ValueError(f"the server answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise ValueError(f"the server failed a request: {chunk['error']['message']}")
+            new = [t for c in chunk["choices"] for t in c.get("token_ids", ())]
+            if new:
+                record.emissions.append((time.perf_counter(), len(new)))
+                tokens += new
+    return tokens
+
+
+async def _serve(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int, temperature: float,
+                 concurrency: int, seed: int):
+    url = f"{base_url}/v1/completions"
+    limit = asyncio.Semaphore(concurrency)
+    records: list[RequestRecord | None] = [None] * len(prompts)
+
+    async def request(i: int, client: httpx.AsyncClient) -> list[int]:
+        async with limit:
+            records[i] = RequestRecord(len(prompts[i]), time.perf_counter())
+            body = {"model": model, "prompt": list(prompts[i]), "max_tokens": output_len, "temperature": temperature,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": seed + i}
+            return await _one(client, url, body, records[i])
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        outputs = await asyncio.gather(*[request(i, client) for i in range(len(prompts))])
+        duration = time.perf_counter() - start
+    return records, start, duration, outputs
+
+
+def run_over_http(base_url: str, prompts: Sequence[Sequence[int]], *, output_len: int, temperature: float,
+                  concurrency: int, warmup: int, seed: int, progress) -> dict[str, Any]:
+    """One run against the server at ``base_url``: ``summarize``'s metrics plus ``num_preemptions``,
+    ``spec_stats`` (from ``/metrics``, None without speculation), ``requests`` and ``speculative_config``."""
+    card = server_card(base_url)
+    spec = card.get("speculative_config")
+    if warmup:
+        progress(f"warm-up: {warmup} request(s) to {base_url}")
+        warm = [prompts[i % len(prompts)] for i in range(warmup)]
+        asyncio.run(_serve(base_url, card["id"], warm, output_len, temperature, concurrency, seed))
+    before = read_counters(base_url)
+    progress(f"{len(prompts)} requests at concurrency {concurrency} to {base_url}")
+    records, start, duration, outputs = asyncio.run(
+        _serve(base_url, card["id"], prompts, output_len, temperature, concurrency, seed))
+    after = read_counters(base_url)
+    result = summarize(records, duration)
+    result["num_preemptions"] = int(after.get("vllm:num_preemptions_total", 0) -
+                                    before.get("vllm:num_preemptions_total", 0))
+    result["spec_stats"] = spec_stats_between(before, after, spec["num_speculative_tokens"]) if spec else None
+    result["requests"] = [r.as_dict(start) for r in records]
+    result["speculative_config"] = spec
+    result["_outputs"] = outputs
+    return result

@@ -11,13 +11,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
 
 # Lowest first; a module may import its own layer and any layer listed before it.
 LAYERS = [
-    {"validation", "registry", "outputs", "spec_stats", "tokenizer"},
-    {"cache", "backends", "sampling"},
+    {"validation", "registry", "outputs", "spec_stats", "tokenizer", "text"},
+    {"cache", "backends", "sampling", "output_processor"},
     {"models"},
     {"runtime"},
     {"proposers", "verifiers", "train", "zoo"},
     {"engine", "engine_args"},
-    {"llm", "bench", "cli"},
+    {"llm", "bench", "server", "cli"},
 ]
 
 

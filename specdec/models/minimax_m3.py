@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.backends.base import AttentionBackend, AttentionMetadata
-from specdec.backends.torch_ref import gather_pages
+from specdec.backends.pages import gather_pages
 from specdec.cache.pool import PagedPool
 from specdec.models.attention import GQASelfAttention
 from specdec.models.base import ForwardContext

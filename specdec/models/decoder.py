@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specdec.cache.pool import AttentionPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
+from specdec.models.base import AttentionContext, ModelOutput
 from specdec.models.layers import PrepackedLMHead, RotaryEmbedding
 from specdec.models.weights import load_named_weights
 
@@ -50,7 +50,7 @@ class PreNormDecoderLayer(nn.Module):
     """
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -103,13 +103,8 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                aux_layer_ids: Sequence[int] = ()) -> ModelOutput:
         """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
 
         ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer

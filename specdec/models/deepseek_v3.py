@@ -31,7 +31,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from specdec.cache.pool import MLAPool, PagedPool
-from specdec.models.base import ForwardContext
+from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
@@ -211,7 +211,7 @@ class DeepseekV3Attention(nn.Module):
         self.pool: str | None = None  # bound by DeepseekV3ForCausalLM.kv_pools
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         pool = bound_pool(self.pool)
         num_tokens = x.shape[0]

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from specdec.models.attention import GQASelfAttention
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import head_dim_of
 from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -60,30 +59,19 @@ class LlamaAttention(GQASelfAttention):
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        pool = bound_pool(self.pool)
+    def qkv_heads(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            return super().qkv_heads(x, positions, rotary)
+        # q and k sit side by side in the packed output: one rotation covers both.
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.q_norm is None:
-            # q and k sit side by side in the packed output: one rotation covers both.
-            qkv = self.qkv_proj(x)
-            qk_width = (heads + kv_heads) * dim
-            (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
-        else:
-            q, k, v = self.project_qkv(x)
-            q = self.q_norm(q.view(num_tokens, heads, dim))
-            k = self.k_norm(k.view(num_tokens, kv_heads, dim))
-            v = v.view(num_tokens, kv_heads, dim)
-            q, k = rotary(positions, q, k)
-        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        qkv = self.qkv_proj(x)
+        qk_width = (heads + kv_heads) * dim
+        (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
+        return qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
 
 
 class LlamaMLP(GatedMLP):

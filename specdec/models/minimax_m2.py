@@ -20,8 +20,7 @@ from torch import nn
 # aux_capture_counts, check_gqa, head_dim_of and load_weights_with_slices are re-exported: they were
 # first defined here.
 from specdec.models.attention import GQASelfAttention
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts, bound_pool  # noqa: F401
+from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts  # noqa: F401
 from specdec.models.dims import check_gqa, head_dim_of, rotary_dim_of  # noqa: F401
 from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
@@ -41,18 +40,15 @@ class MiniMaxM2Attention(GQASelfAttention):
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        pool = bound_pool(self.pool)
+    def qkv_heads(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         q, k, v = self.project_qkv(x)
         q = self.q_norm(q).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
 class MiniMaxM2SparseMoeBlock(nn.Module):

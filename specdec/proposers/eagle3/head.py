@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.models.base import ForwardContext
+from specdec.models.base import AttentionContext
 from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 
@@ -41,7 +41,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
-        ctx: ForwardContext,
+        ctx: AttentionContext,
     ) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
@@ -154,7 +154,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         return self.fc(x)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over a flattened varlen batch.
 

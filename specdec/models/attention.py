@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.cache.pool import AttentionPool
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import bound_pool
 from specdec.models.dims import gqa_dims
@@ -43,6 +44,11 @@ class GQASelfAttention(nn.Module):
         self.q_norm: nn.Module | None = None  # per-head norms, set by subclasses that have them
         self.k_norm: nn.Module | None = None
         self.pool: str | None = None  # bound by the model's kv_pools()
+
+    def kv_pool(self, name: str, *, num_layers: int, block_size: int, dtype: torch.dtype) -> AttentionPool:
+        """An attention pool of ``num_layers`` layers shaped like this layer's K/V."""
+        return AttentionPool(name, num_layers=num_layers, block_size=block_size, dtype=dtype,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q [T, H * D]``, ``k`` and ``v [T, Hkv * D]`` of ``x [T, input_size]`` (views of one output)."""

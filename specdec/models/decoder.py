@@ -3,9 +3,9 @@
 :class:`DecoderOnlyLM` holds what does not depend on the attention or MLP kind: the embeddings, the
 decoder-layer loop with capture-before aux hidden states, the final norm, the (optionally tied) LM
 head, binding attention layers to their KV pool, and the checkpoint-name rules all checkpoints follow.
-An architecture builds its ``model`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``, the
-names transformers writes) and overrides only what differs: ``kv_pools`` for other cache layouts,
-``_checkpoint_name`` for other tensor spellings.
+An architecture builds its ``model`` (a :class:`DecoderModel`: ``embed_tokens``, ``layers``,
+``norm``, ``rotary_emb``, the names transformers writes) from its own decoder layers and overrides
+only what differs: ``kv_pools`` for extra pools, ``_checkpoint_name`` for other tensor spellings.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from specdec.cache.pool import AttentionPool, PagedPool
+from specdec.cache.pool import PagedPool
 from specdec.models.base import AttentionContext, ModelOutput
-from specdec.models.layers import PrepackedLMHead, RotaryEmbedding
+from specdec.models.layers import PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.models.weights import load_named_weights
 
 
@@ -56,6 +56,21 @@ class PreNormDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DecoderModel(nn.Module):
+    """The base model under the LM head (``model.*`` in a checkpoint): ``embed_tokens``, the decoder
+    ``layers``, the final ``norm`` and ``rotary_emb`` (no parameters or buffers: its float32 tables
+    are rebuilt by ``reset_buffers()`` after loading)."""
+
+    def __init__(
+        self, config, layers: Iterable[nn.Module], rotary_emb: RotaryEmbedding, *, norm_unit_offset: bool = False
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=norm_unit_offset)
+        self.rotary_emb = rotary_emb
+
+
 class DecoderOnlyLM(PrepackedLMHead, nn.Module):
     """A decoder-only causal LM implementing :class:`specdec.models.CausalLM` around ``model``.
 
@@ -82,16 +97,10 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One attention pool named ``prefix`` holding every layer's K/V; binds the layers to it."""
+        """One pool named ``prefix`` holding every layer's KV, laid out as layer 0's attention keeps it
+        (K/V heads, or an MLA latent); binds the layers to it."""
         attn = self.model.layers[0].self_attn
-        pool = AttentionPool(
-            prefix,
-            num_layers=self.num_layers,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=dtype,
-        )
+        pool = attn.kv_pool(prefix, num_layers=self.num_layers, block_size=block_size, dtype=dtype)
         self._bind_attention(prefix)
         return [pool]
 

@@ -10,10 +10,9 @@ transformers writes (``model.layers.N.self_attn.q_proj.weight``, ...), so weight
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specdec.models.attention import GQASelfAttention
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import head_dim_of
 from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -95,21 +94,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in the checkpoint)."""
-
-    def __init__(self, config):
-        super().__init__()
-        windows = sliding_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i]) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # No parameters or buffers: its float32 tables are rebuilt by reset_buffers() after loading.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
-
-
 class LlamaForCausalLM(DecoderOnlyLM):
     """llama / mistral / qwen2 / qwen3 causal LM implementing :class:`specdec.models.CausalLM`."""
 
@@ -118,4 +102,5 @@ class LlamaForCausalLM(DecoderOnlyLM):
             raise ValueError(
                 f"LlamaForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
             )
-        super().__init__(config, LlamaModel(config))
+        layers = (LlamaDecoderLayer(config, i, window) for i, window in enumerate(sliding_windows(config)))
+        super().__init__(config, DecoderModel(config, layers, RotaryEmbedding(config, head_dim_of(config))))

@@ -34,7 +34,7 @@ from specdec.backends.base import AttentionMetadata
 from specdec.cache.pool import PagedPool
 from specdec.models.attention import GQASelfAttention
 from specdec.models.base import AttentionContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import rotary_dim_of
 from specdec.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.minimax_m2 import is_mtp_tensor
@@ -269,20 +269,6 @@ class MiniMaxM3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
 
 
-class MiniMaxM3Model(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in a text checkpoint)."""
-
-    def __init__(self, config, attention_types: list[str], mlp_types: list[str]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MiniMaxM3DecoderLayer(config, i, attention_types[i] == SPARSE_LAYER, mlp_types[i] == "sparse")
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
-        self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
-
-
 _VISION_PREFIXES = (
     "vision_tower.",
     "model.vision_tower.",
@@ -314,7 +300,12 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         text = text_config_of(config)
         attention_types = _per_layer(text, "layer_types", (FULL_LAYER, SPARSE_LAYER), FULL_LAYER)
         mlp_types = _per_layer(text, "mlp_layer_types", ("sparse", "dense"), "sparse")
-        super().__init__(config, MiniMaxM3Model(text, attention_types, mlp_types), text_config=text)
+        layers = (
+            MiniMaxM3DecoderLayer(text, i, attention_types[i] == SPARSE_LAYER, mlp_types[i] == "sparse")
+            for i in range(text.num_hidden_layers)
+        )
+        model = DecoderModel(text, layers, RotaryEmbedding(text, rotary_dim_of(text)), norm_unit_offset=True)
+        super().__init__(config, model, text_config=text)
         self.text_config = text
         self.is_multimodal = config.model_type == "minimax_m3_vl"
         self.attention_types = attention_types

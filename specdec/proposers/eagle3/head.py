@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.cache.pool import PagedPool
 from specdec.models.base import AttentionContext
 from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
@@ -103,6 +104,20 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:
         raise NotImplementedError
+
+    # ----- pools -----
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+        """A single-layer pool named ``prefix`` of the draft's own, laid out as its attention keeps KV
+        (K/V heads, or an MLA latent); binds the attention to it. Any page size: the draft is indexed
+        by its own block tables."""
+        pool = self.midlayer.self_attn.kv_pool(prefix, num_layers=1, block_size=block_size, dtype=dtype)
+        self.bind_pool(pool, 0)
+        return [pool]
+
+    def bind_pool(self, pool: PagedPool, layer_index: int) -> None:
+        """Keep the draft's KV in layer ``layer_index`` of ``pool``."""
+        attn = self.midlayer.self_attn
+        attn.pool, attn.layer_idx = pool.name, layer_index
 
     # ----- target sharing -----
     def share_target(self, target, target_output_weight: torch.Tensor | None) -> None:

@@ -10,7 +10,6 @@ the draft can live in the target's MLA pool as one extra layer (:meth:`Eagle3MLA
 from __future__ import annotations
 
 import attrs
-import torch
 
 from specdec.cache.pool import MLAPool, PagedPool
 from specdec.models.deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, DeepseekV3Settings
@@ -64,19 +63,6 @@ class Eagle3MLADraft(Eagle3Head):
         return self.config.qk_rope_head_dim
 
     # ----- pools -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """A single-layer MLA pool named ``prefix`` of the draft's own; binds the attention to it."""
-        pool = MLAPool(
-            prefix,
-            num_layers=1,
-            block_size=block_size,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            dtype=dtype,
-        )
-        self.bind_pool(pool, 0)
-        return [pool]
-
     def mla_pool_layers(self) -> int:
         """Layers the draft needs in a shared MLA pool."""
         return 1
@@ -101,8 +87,7 @@ class Eagle3MLADraft(Eagle3Head):
             raise ValueError(
                 f"pool {pool.name!r} has {pool.num_layers} layers, cannot bind the draft to layer {layer_index}"
             )
-        attn = self.midlayer.self_attn
-        attn.pool, attn.layer_idx = pool.name, layer_index
+        super().bind_pool(pool, layer_index)
 
     def join_pool(self, pool: PagedPool) -> int:
         """Add the draft's layer to a target MLA pool before it is materialised; returns its index."""

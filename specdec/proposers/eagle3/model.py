@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from specdec.cache.pool import AttentionPool, PagedPool
 from specdec.models.attention import GQASelfAttention
 from specdec.models.layers import RotaryEmbedding
 from specdec.models.llama import LlamaMLP
@@ -23,8 +20,8 @@ class Eagle3Attention(GQASelfAttention):
 class Eagle3LlamaDraft(Eagle3Head):
     """EAGLE3 head with MHA/GQA attention (EAGLE reference, SGLang/SpecForge and vLLM layouts).
 
-    Its KV lives in a pool of its own (:meth:`kv_pools`), with any page size: the draft never shares
-    pages with the target, so it is indexed by its own block tables.
+    Its KV lives in an attention pool of its own (:meth:`kv_pools`), with any page size: the draft
+    never shares pages with the target, so it is indexed by its own block tables.
     """
 
     is_mla = False
@@ -34,17 +31,3 @@ class Eagle3LlamaDraft(Eagle3Head):
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.hf_config, config.head_dim)
-
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One single-layer attention pool named ``prefix``; binds the draft's attention to it."""
-        attn = self.midlayer.self_attn
-        pool = AttentionPool(
-            prefix,
-            num_layers=1,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=dtype,
-        )
-        attn.pool, attn.layer_idx = prefix, 0
-        return [pool]

@@ -1,6 +1,13 @@
 """Target (and draft) architectures over the paged KV cache, loaded from HF checkpoints."""
 
-from specdec.models.base import AttentionContext, CausalLM, ForwardContext, ModelOutput, default_aux_layer_ids
+from specdec.models.base import (
+    AttentionContext,
+    CausalLM,
+    ForwardContext,
+    ModelOutput,
+    PagedModel,
+    default_aux_layer_ids,
+)
 from specdec.models.loader import CheckpointError, load_config, load_model
 from specdec.models.registry import register_architecture, supported_model_types
 
@@ -12,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "ForwardContext",
     "ModelOutput",
+    "PagedModel",
     "default_aux_layer_ids",
     "load_config",
     "load_model",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -10,7 +10,7 @@ import torch
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.backends.block_sparse import block_sparse_attention
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool
 
 
 @runtime_checkable
@@ -110,26 +110,34 @@ class ModelOutput:
 
 
 @runtime_checkable
-class CausalLM(Protocol):
+class PagedModel(Protocol):
+    """What setting up the cache needs from a model with paged attention layers: a target
+    (:class:`CausalLM`) or a draft head (EAGLE3)."""
+
+    # Page size the architecture needs (MiniMax-M3's block-sparse attention: 128); None = any.
+    required_block_size: int | None
+    # Whether the attention needs a backend with ``custom_mask`` support (MiniMax-M3's block selection).
+    needs_custom_mask: bool
+
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
+        """Describe the pools the model needs (named ``prefix`` or ``prefix.<something>``) and bind its
+        attention layers to them; the caller registers them in the cache. Calling it again rebinds."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(PagedModel, Protocol):
     """A causal LM over the paged cache.
 
-    ``kv_pools(prefix, block_size, dtype)`` describes the pools the model needs (named ``prefix`` or
-    ``prefix.<something>``) and binds the model's attention layers to them; the engine registers them
-    in the cache. ``forward`` runs the flattened varlen batch. Hidden-state capture follows the
-    capture-before convention: id ``i`` is the residual stream entering decoder layer ``i`` (id 0 =
-    the embeddings), equal to transformers' ``output_hidden_states[i]`` for ``i < num_layers``.
+    ``forward`` runs the flattened varlen batch. Hidden-state capture follows the capture-before
+    convention: id ``i`` is the residual stream entering decoder layer ``i`` (id 0 = the
+    embeddings), equal to transformers' ``output_hidden_states[i]`` for ``i < num_layers``.
     """
 
     hf_config: object
     num_layers: int
     hidden_size: int
     vocab_size: int
-    # Page size the architecture needs (MiniMax-M3's block-sparse attention: 128); None = any.
-    required_block_size: int | None
-    # Whether the attention needs a backend with ``custom_mask`` support (MiniMax-M3's block selection).
-    needs_custom_mask: bool
-
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]: ...
 
     def forward(
         self,
@@ -139,11 +147,27 @@ class CausalLM(Protocol):
         aux_layer_ids: Sequence[int] = (),
     ) -> ModelOutput: ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, vocab_size]`` of final (post-norm) hidden states."""
+        ...
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[vocab_size, hidden_size]`` projection :meth:`compute_logits` applies: the LM head, or
+        the embedding matrix when they are tied (what a draft without its own head shares)."""
+        ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
+    def kv_layer_slots(self) -> list[tuple[str, int]]:
+        """``(pool name, layer index in that pool)`` holding each decoder layer's KV, as
+        :meth:`kv_pools` bound them: where a draft that shares a target layer's KV finds it."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The weights (``torch.nn.Module.parameters``): their dtype and device are the model's."""
+        ...
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool
 from specdec.models.base import AttentionContext, ModelOutput
 from specdec.models.layers import PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.models.weights import load_named_weights
@@ -96,13 +96,16 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
 
     # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
         """One pool named ``prefix`` holding every layer's KV, laid out as layer 0's attention keeps it
         (K/V heads, or an MLA latent); binds the layers to it."""
         attn = self.model.layers[0].self_attn
         pool = attn.kv_pool(prefix, num_layers=self.num_layers, block_size=block_size, dtype=dtype)
         self._bind_attention(prefix)
         return [pool]
+
+    def kv_layer_slots(self) -> list[tuple[str, int]]:
+        return [(bound_pool(layer.self_attn.pool), layer.self_attn.layer_idx) for layer in self.model.layers]
 
     def _bind_attention(self, pool: str) -> None:
         for layer in self.model.layers:
@@ -129,7 +132,7 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
         aux = torch.cat(captured, dim=-1) if captured else None
         return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
 
-    def _output_weight(self) -> torch.Tensor:
+    def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:

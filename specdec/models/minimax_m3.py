@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.backends.base import AttentionMetadata
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool, PagedPool
 from specdec.models.attention import GQASelfAttention
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
@@ -314,7 +314,7 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         self.needs_custom_mask = SPARSE_LAYER in attention_types
 
     # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
         """``prefix``: every layer's K/V; ``prefix + ".index"``: the sparse layers' indexer keys."""
         if block_size != self.required_block_size:
             raise ValueError(

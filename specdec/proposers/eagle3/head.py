@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool
 from specdec.models.base import AttentionContext
 from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
@@ -61,7 +61,10 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
 
     is_mla = False
     num_layers = 1
+    # What the cache set-up asks of any paged model (specdec.models.base.PagedModel): any page size,
+    # plain causal attention.
     required_block_size: int | None = None
+    needs_custom_mask: bool = False
 
     def __init__(
         self,
@@ -106,7 +109,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         raise NotImplementedError
 
     # ----- pools -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
         """A single-layer pool named ``prefix`` of the draft's own, laid out as its attention keeps KV
         (K/V heads, or an MLA latent); binds the attention to it. Any page size: the draft is indexed
         by its own block tables."""
@@ -114,7 +117,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         self.bind_pool(pool, 0)
         return [pool]
 
-    def bind_pool(self, pool: PagedPool, layer_index: int) -> None:
+    def bind_pool(self, pool: KVPool, layer_index: int) -> None:
         """Keep the draft's KV in layer ``layer_index`` of ``pool``."""
         attn = self.midlayer.self_attn
         attn.pool, attn.layer_idx = pool.name, layer_index
@@ -191,7 +194,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         """Draft-vocabulary logits ``[T, draft_vocab_size]`` of post-norm states."""
         return super().compute_logits(hidden_states)
 
-    def _output_weight(self) -> torch.Tensor:
+    def output_weight(self) -> torch.Tensor:
         return self.lm_head_weight
 
     # ----- vocabulary -----

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from specdec.cache.pool import MLAPool, PagedPool
+from specdec.cache.pool import KVPool, MLAPool
 from specdec.models.deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, DeepseekV3Settings
 from specdec.models.layers import Linear, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
@@ -67,7 +67,7 @@ class Eagle3MLADraft(Eagle3Head):
         """Layers the draft needs in a shared MLA pool."""
         return 1
 
-    def check_pool(self, pool: PagedPool) -> None:
+    def check_pool(self, pool: KVPool) -> None:
         """Raise ValueError unless ``pool`` is an MLA pool whose latent rows have the draft's shape."""
         if not isinstance(pool, MLAPool):
             raise ValueError(
@@ -80,7 +80,7 @@ class Eagle3MLADraft(Eagle3Head):
                 "cannot live in that pool: give the draft its own pool (kv_pools)"
             )
 
-    def bind_pool(self, pool: PagedPool, layer_index: int) -> None:
+    def bind_pool(self, pool: KVPool, layer_index: int) -> None:
         """Keep the draft's latent rows in layer ``layer_index`` of ``pool`` (checked with :meth:`check_pool`)."""
         self.check_pool(pool)
         if not 0 <= layer_index < pool.num_layers:
@@ -89,7 +89,7 @@ class Eagle3MLADraft(Eagle3Head):
             )
         super().bind_pool(pool, layer_index)
 
-    def join_pool(self, pool: PagedPool) -> int:
+    def join_pool(self, pool: KVPool) -> int:
         """Add the draft's layer to a target MLA pool before it is materialised; returns its index."""
         self.check_pool(pool)
         (index,) = pool.add_layers(self.mla_pool_layers())

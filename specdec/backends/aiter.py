@@ -21,12 +21,11 @@ layout (``[blocks, kv_heads, head_dim / x, page, x]``) than the pools allocate, 
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
 
 import torch
 
-from specdec.backends import aiter_loader
-from specdec.backends.base import AttentionMetadata
+from specdec.backends import aiter_loader, pages
+from specdec.backends.base import AttentionMetadata, AttentionOutput
 
 # Up to this many queries per request, MLA runs as per-token decode rows (verify: k + 1 queries).
 MLA_DECODE_MAX_QUERIES = 16
@@ -64,28 +63,14 @@ class AiterBackend:
             return True  # addressed per token
         return False
 
-    def write_kv(
-        self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
-    ) -> None:
-        # The pools keep the plain token-major layout, so a scatter is the whole job.
-        for key, value in values.items():
-            cache = layer[key]
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, slot_mapping.to(device=cache.device, dtype=torch.int64), value.to(cache.dtype))
+    # The pools keep the plain token-major layout, so a scatter writes them and a gather reads them.
+    write_kv = staticmethod(pages.scatter_slots)
+    gather_pages = staticmethod(pages.gather_pages)
 
     # ------------------------------------------------------------------ paged attention
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        return_lse: bool = False,
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> torch.Tensor:
         if return_lse:
             raise NotImplementedError(
                 "aiter's unified_attention returns no log-sum-exp, so attention over two KV pools (KV sharing) "
@@ -135,16 +120,8 @@ class AiterBackend:
 
     # ------------------------------------------------------------------ MLA
 
-    def mla_attention(
-        self,
-        q: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        kv_lora_rank: int,
-        scale: float,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
+                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
         _check_supported(meta, q, mla=True)
         num_tokens, num_heads, width = q.shape
         if latent_cache.dim() != 3 or latent_cache.shape[-1] != width:

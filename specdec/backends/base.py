@@ -114,16 +114,21 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# What ``attention`` / ``mla_attention`` return: ``out``, or ``(out, lse)`` with ``return_lse``.
+AttentionOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Writes new KV into pool pages and computes paged attention over them.
+    """Reads and writes KV in pool pages and computes paged attention over them.
 
     Shapes: ``q [T, num_heads, head_dim]``; a pool layer's ``k`` ``[num_blocks, block_size, kv_heads,
     head_dim]`` and ``v`` ``[num_blocks, block_size, kv_heads, v_head_dim]``; MLA latent ``[num_blocks,
-    block_size, kv_lora_rank + rope_dim]``. Attention is always the varlen paged shape of
-    :class:`AttentionMetadata`.
+    block_size, kv_lora_rank + rope_dim]``; any other entry ``[num_blocks, block_size, *entry_shape]``.
+    Attention is always the varlen paged shape of :class:`AttentionMetadata`.
     """
 
+    # The name ``get_backend`` selects it by, quoted in error messages.
     name: str
     # Whether ``attention`` honours ``AttentionMetadata.custom_mask`` (block-sparse or tree attention).
     supports_custom_mask: bool
@@ -138,6 +143,14 @@ class AttentionBackend(Protocol):
         """Store ``values[entry]`` (``[T, *entry_shape]``) at ``slot_mapping`` in ``layer[entry]``."""
         ...
 
+    def gather_pages(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each request's first ``meta.max_seq_len`` cached tokens of one entry ``cache``, ``[B,
+        max_seq_len, *entry_shape]`` (rows past a request's ``seq_len`` hold whatever its pages do).
+
+        For a model that reads an entry itself (MiniMax-M3's indexer keys) rather than attending over it.
+        """
+        ...
+
     def attention(
         self,
         q: torch.Tensor,
@@ -148,7 +161,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> AttentionOutput:
         """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``.
 
         With ``return_lse`` it returns ``(out, lse)``: ``lse [T, num_heads]`` is the log-sum-exp of
@@ -167,7 +180,7 @@ class AttentionBackend(Protocol):
         kv_lora_rank: int,
         scale: float,
         return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> AttentionOutput:
         """Absorbed MLA: ``q [T, H, kv_lora_rank + rope_dim]`` against the latent cache (keys: the whole
         latent, values: its first ``kv_lora_rank`` columns); returns ``[T, H, kv_lora_rank]``, or
         ``(out, lse)`` with ``return_lse`` (``lse [T, H]`` as in :meth:`attention`)."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import AttentionMetadata, lse_dtype
+from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype
+from specdec.backends import pages
 
 
 class TorchBackend:
@@ -22,61 +21,22 @@ class TorchBackend:
     def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
         return block_size >= 1
 
-    def write_kv(
-        self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
-    ) -> None:
-        for key, value in values.items():
-            cache = layer[key]
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, slot_mapping, value if value.dtype == cache.dtype else value.to(cache.dtype))
+    # The pools' token-major pages: a scatter writes them, a gather reads them.
+    write_kv = staticmethod(pages.scatter_slots)
+    gather_pages = staticmethod(pages.gather_pages)
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        keys = gather_pages(k_cache, meta)  # [B, S, Hkv, D]
-        values = gather_pages(v_cache, meta)
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> AttentionOutput:
+        keys = pages.gather_pages(k_cache, meta)  # [B, S, Hkv, D]
+        values = pages.gather_pages(v_cache, meta)
         return _masked_attention(
             q, keys, values, meta, scale=scale, sliding_window=sliding_window, return_lse=return_lse
         )
 
-    def mla_attention(
-        self,
-        q: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        kv_lora_rank: int,
-        scale: float,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        latent = gather_pages(latent_cache, meta).unsqueeze(2)  # [B, S, 1, L + R]
+    def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
+                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
+        latent = pages.gather_pages(latent_cache, meta).unsqueeze(2)  # [B, S, 1, L + R]
         return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
-
-
-def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Each request's first ``max_seq_len`` cached tokens, ``[B, max_seq_len, *entry_shape]``."""
-    slots = meta.derived("torch_ref.key_slots", _key_slots)  # [B, max_seq_len]
-    flat = cache.view(-1, *cache.shape[2:])
-    return flat.index_select(0, slots.view(-1)).view(*slots.shape, *cache.shape[2:])
-
-
-def _key_slots(meta: AttentionMetadata) -> torch.Tensor:
-    """The slot of each request's first ``max_seq_len`` tokens, int64 ``[B, max_seq_len]`` (one gather
-    per layer reads them, instead of whole pages trimmed afterwards)."""
-    bs = meta.block_size
-    num_blocks = -(-meta.max_seq_len // bs)
-    table = meta.block_tables[:, :num_blocks].long()
-    offsets = torch.arange(bs, device=table.device)
-    slots = (table[:, :, None] * bs + offsets).view(table.shape[0], num_blocks * bs)
-    return slots[:, : meta.max_seq_len].contiguous()
 
 
 def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -106,16 +66,8 @@ def _sees_every_key(meta: AttentionMetadata, sliding_window: int | None) -> bool
     )
 
 
-def _masked_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    meta: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata, *,
+                      scale: float, sliding_window: int | None = None, return_lse: bool = False) -> AttentionOutput:
     """``q [T, H, D]`` against per-request ``keys [B, S, Hkv, D]``, ``values [B, S, Hkv, Dv]``.
 
     Queries are padded per request to ``[B, max_query_len, H, D]`` (a view when every request has

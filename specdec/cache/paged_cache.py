@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from specdec.cache.allocator import BlockAllocator
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool
 from specdec.validation import is_int
 
 
@@ -61,12 +61,12 @@ class PagedKVCache:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {memory_budget}")
         self.memory_budget = int(memory_budget)
         self.device = torch.device(device)
-        self._pools: dict[str, PagedPool] = {}
+        self._pools: dict[str, KVPool] = {}
         self._allocators: dict[str, BlockAllocator] = {}
         self._seqs: dict[Hashable, dict[str, _PoolSequence]] = {}
 
     # ----- pools -----
-    def register(self, pool: PagedPool) -> PagedPool:
+    def register(self, pool: KVPool) -> KVPool:
         if self.is_built:
             raise KVCacheError(f"cannot register pool {pool.name!r}: the cache is already built")
         if pool.name in self._pools:
@@ -74,14 +74,14 @@ class PagedKVCache:
         self._pools[pool.name] = pool
         return pool
 
-    def pool(self, name: str) -> PagedPool:
+    def pool(self, name: str) -> KVPool:
         try:
             return self._pools[name]
         except KeyError:
             raise KeyError(f"no pool named {name!r}; registered: {sorted(self._pools)}") from None
 
     @property
-    def pools(self) -> dict[str, PagedPool]:
+    def pools(self) -> dict[str, KVPool]:
         return dict(self._pools)
 
     @property

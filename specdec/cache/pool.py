@@ -11,33 +11,55 @@ import torch
 
 @runtime_checkable
 class KVPool(Protocol):
-    """What the composable cache needs from a pool.
+    """What the composable cache, the models and the proposers need from a pool.
 
     A pool stores, for each of its layers, one or more *entries* (``"k"`` and ``"v"`` for attention,
     ``"latent"`` for MLA, or anything a model needs, such as an indexer's keys), each a tensor of
     shape ``[num_blocks, block_size, *entry_shape]``. Pools are independent: each has its own page
-    size, dtype and allocator, and request positions are mapped to pages per pool.
+    size, dtype and allocator, and request positions are mapped to pages per pool. A pool is
+    described first (layers can still be added) and gets its tensors once the cache splits its budget.
     """
 
     name: str
+    # The layout: "attention" (K/V heads), "mla" (one latent row) or "custom" (entries a model reads itself).
+    kind: str
     block_size: int
     dtype: torch.dtype
+    # Entry name -> per-token shape.
+    entries: Mapping[str, tuple[int, ...]]
 
     @property
     def num_layers(self) -> int: ...
 
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Pages allocated per entry and layer (0 before :meth:`materialize`)."""
+        ...
 
-    def bytes_per_token(self) -> int: ...
+    @property
+    def is_materialized(self) -> bool: ...
 
-    def materialize(self, num_blocks: int, device: torch.device | str) -> None: ...
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in this pool, across all its layers and entries."""
+        ...
 
-    def layer(self, index: int) -> Mapping[str, torch.Tensor]: ...
+    def bytes_per_block(self) -> int: ...
+
+    def add_layers(self, count: int) -> range:
+        """Reserve ``count`` more layers before materialisation; returns their indices."""
+        ...
+
+    def materialize(self, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        """Allocate ``num_blocks`` pages for every layer and entry."""
+        ...
+
+    def layer(self, index: int) -> Mapping[str, torch.Tensor]:
+        """The entries of one layer, each ``[num_blocks, block_size, *entry_shape]``."""
+        ...
 
 
 class PagedPool:
-    """A pool with a free-form set of per-token entries; the two standard layouts subclass it.
+    """A :class:`KVPool` with a free-form set of per-token entries; the two standard layouts subclass it.
 
     The pool is described first (layers can still be added, e.g. an MLA draft living in the target's
     pool as one extra layer) and gets its tensors from :meth:`materialize` once the cache has split

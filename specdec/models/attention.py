@@ -1,34 +1,86 @@
-"""What the GQA self-attention layers (llama family, MiniMax-M2, MiniMax-M3) build the same way."""
+"""What the GQA self-attention layers (llama family, MiniMax-M2, MiniMax-M3, the EAGLE3 draft) share."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from specdec.cache.pool import AttentionPool
+from specdec.models.base import AttentionContext
+from specdec.models.decoder import bound_pool
 from specdec.models.dims import gqa_dims
-from specdec.models.layers import Linear, PackedLinear
+from specdec.models.layers import Linear, PackedLinear, RotaryEmbedding
 
 
 class GQASelfAttention(nn.Module):
     """Head counts read (and checked) from the config, the projections, the ``1/sqrt(head_dim)``
-    scale, and the pool slot ``kv_pools`` binds.
+    scale, the pool slot ``kv_pools`` binds, and the forward: roped heads, attention in layer
+    ``layer_idx`` of the bound pool, ``o_proj``.
 
     q, k and v run as one :class:`~specdec.models.layers.PackedLinear` (``qkv_proj``, loaded from the
-    checkpoint's ``q_proj`` / ``k_proj`` / ``v_proj``); :meth:`project_qkv` returns them split.
-    Subclasses add their q/k norms and write ``forward``; K/V live in layer ``layer_idx`` of the pool.
+    checkpoint's ``q_proj`` / ``k_proj`` / ``v_proj``) reading ``input_size`` features (default the
+    hidden size). Subclasses add per-head ``q_norm`` / ``k_norm`` (applied by :meth:`qkv_heads`), or
+    override :meth:`qkv_heads` for other norms, and :meth:`key_mask` for block-sparse attention.
     """
 
-    def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False):
+    # Keys further back than this many positions are not attended (None: full causal attention).
+    sliding_window: int | None = None
+
+    def __init__(
+        self, config, layer_idx: int, *, input_size: int | None = None, qkv_bias: bool = False, o_bias: bool = False
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = gqa_dims(config)
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(hidden, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=qkv_bias)
+        self.qkv_proj = PackedLinear(
+            hidden if input_size is None else input_size,
+            {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width},
+            bias=qkv_bias,
+        )
         self.o_proj = Linear(q_width, hidden, bias=o_bias)
+        self.q_norm: nn.Module | None = None  # per-head norms, set by subclasses that have them
+        self.k_norm: nn.Module | None = None
         self.pool: str | None = None  # bound by the model's kv_pools()
 
+    def kv_pool(self, name: str, *, num_layers: int, block_size: int, dtype: torch.dtype) -> AttentionPool:
+        """An attention pool of ``num_layers`` layers shaped like this layer's K/V."""
+        return AttentionPool(name, num_layers=num_layers, block_size=block_size, dtype=dtype,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q [T, H * D]``, ``k`` and ``v [T, Hkv * D]`` of ``x [T, hidden]`` (views of one output)."""
+        """``q [T, H * D]``, ``k`` and ``v [T, Hkv * D]`` of ``x [T, input_size]`` (views of one output)."""
         return self.qkv_proj.split(self.qkv_proj(x))
+
+    def qkv_heads(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, H, D]``, ``k`` and ``v [T, Hkv, D]``: split into heads, q/k normed per head (when the
+        layer has norms) and roped."""
+        n = x.shape[0]
+        q, k, v = self.project_qkv(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def key_mask(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
+    ) -> torch.Tensor | None:
+        """The keys each query head group may see (block-sparse attention), or None for all of them."""
+        return None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
+    ) -> torch.Tensor:
+        pool = bound_pool(self.pool)
+        q, k, v = self.qkv_heads(x, positions, rotary)
+        key_mask = self.key_mask(x, positions, rotary, ctx)
+        out = ctx.attend(
+            pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window, key_mask=key_mask
+        )
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))

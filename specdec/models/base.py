@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
 
 from specdec.backends.base import AttentionBackend, AttentionMetadata
+from specdec.backends.block_sparse import block_sparse_attention
 from specdec.cache.paged_cache import PagedKVCache
-from specdec.cache.pool import PagedPool
+from specdec.cache.pool import KVPool
 
 
-@attrs.define
-class ForwardContext:
-    """The attention side of one forward: which backend, which cache, and per-pool metadata.
+@runtime_checkable
+class AttentionContext(Protocol):
+    """What an attention layer asks of the forward it runs in.
 
-    Attention layers call :meth:`attend` / :meth:`attend_mla` with the name of the pool that holds
-    their KV and their layer index inside it; the context writes the new KV and runs the backend.
+    Every per-token entry a layer keeps (K/V, an MLA latent, an indexer's keys) is written and read
+    through the context, addressed by the name of the pool ``kv_pools`` bound the layer to and the
+    layer's index in it; the layer never touches a backend or the cache. The built-ins are
+    :class:`ForwardContext` (the paged cache, serving), :class:`~specdec.proposers.eagle3.kv_sharing.SharedKVContext`
+    (a draft that also reads a target layer's KV) and :class:`~specdec.train.ttt.TTTContext` (training
+    a draft on its own drafts, over dense windows, where only ``attend`` / ``attend_mla`` run).
     """
-
-    backend: AttentionBackend
-    cache: PagedKVCache
-    metadata: dict[str, AttentionMetadata]
 
     def attend(
         self,
@@ -34,28 +35,69 @@ class ForwardContext:
         *,
         scale: float,
         sliding_window: int | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write ``k``/``v`` ``[T, kv_heads, D]`` for this step, then attend ``q [T, H, D]`` -> ``[T, H, Dv]``."""
-        kv = self.cache.pool(pool).layer(layer)
-        meta = self.metadata[pool]
-        self.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
+        """Write ``k``/``v`` ``[T, kv_heads, D]`` for this step, then attend ``q [T, H, D]`` -> ``[T, H, Dv]``.
+
+        ``key_mask`` (bool ``[T, G, max_seq_len]``) makes it block-sparse: query head group ``g`` of
+        ``G`` contiguous groups sees only the keys ``key_mask[:, g]`` marks (see
+        :func:`specdec.backends.block_sparse.block_sparse_attention`).
+        """
+        ...
+
+    def attend_mla(
+        self, pool: str, layer: int, q: torch.Tensor, latent: torch.Tensor, *, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        """Write ``latent [T, kv_lora_rank + rope_dim]``, then absorbed MLA -> ``[T, H, kv_lora_rank]``."""
+        ...
+
+    def write(self, pool: str, layer: int, entries: Mapping[str, torch.Tensor]) -> None:
+        """Store this step's ``entries[name]`` (``[T, *entry_shape]``) without attending over them."""
+        ...
+
+    def gather(self, pool: str, layer: int, entry: str) -> torch.Tensor:
+        """Each request's cached ``entry`` rows, this step's included: ``[B, max_seq_len, *entry_shape]``."""
+        ...
+
+    def pool_metadata(self, pool: str) -> AttentionMetadata:
+        """Where this forward's queries sit and each request's keys live in ``pool``."""
+        ...
+
+
+@attrs.define
+class ForwardContext:
+    """The :class:`AttentionContext` of a forward over the paged cache: which backend, which cache,
+    and per-pool metadata; it writes each layer's new entries and runs the backend over them."""
+
+    backend: AttentionBackend
+    cache: PagedKVCache
+    metadata: dict[str, AttentionMetadata]
+
+    def attend(self, pool: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               sliding_window: int | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.write(pool, layer, {"k": k, "v": v})
+        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
+        if key_mask is not None:
+            return block_sparse_attention(
+                self.backend, q, kv["k"], kv["v"], meta, key_mask, scale=scale, sliding_window=sliding_window
+            )
         return self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, sliding_window=sliding_window)
 
     def attend_mla(
-        self,
-        pool: str,
-        layer: int,
-        q: torch.Tensor,
-        latent: torch.Tensor,
-        *,
-        kv_lora_rank: int,
-        scale: float,
+        self, pool: str, layer: int, q: torch.Tensor, latent: torch.Tensor, *, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
-        """Write ``latent [T, kv_lora_rank + rope_dim]``, then absorbed MLA -> ``[T, H, kv_lora_rank]``."""
-        kv = self.cache.pool(pool).layer(layer)
-        meta = self.metadata[pool]
-        self.backend.write_kv(kv, {"latent": latent}, meta.slot_mapping)
-        return self.backend.mla_attention(q, kv["latent"], meta, kv_lora_rank=kv_lora_rank, scale=scale)
+        self.write(pool, layer, {"latent": latent})
+        cache = self.cache.pool(pool).layer(layer)["latent"]
+        return self.backend.mla_attention(q, cache, self.metadata[pool], kv_lora_rank=kv_lora_rank, scale=scale)
+
+    def write(self, pool: str, layer: int, entries: Mapping[str, torch.Tensor]) -> None:
+        self.backend.write_kv(self.cache.pool(pool).layer(layer), entries, self.metadata[pool].slot_mapping)
+
+    def gather(self, pool: str, layer: int, entry: str) -> torch.Tensor:
+        return self.backend.gather_pages(self.cache.pool(pool).layer(layer)[entry], self.metadata[pool])
+
+    def pool_metadata(self, pool: str) -> AttentionMetadata:
+        return self.metadata[pool]
 
 
 @attrs.frozen
@@ -68,40 +110,64 @@ class ModelOutput:
 
 
 @runtime_checkable
-class CausalLM(Protocol):
+class PagedModel(Protocol):
+    """What setting up the cache needs from a model with paged attention layers: a target
+    (:class:`CausalLM`) or a draft head (EAGLE3)."""
+
+    # Page size the architecture needs (MiniMax-M3's block-sparse attention: 128); None = any.
+    required_block_size: int | None
+    # Whether the attention needs a backend with ``custom_mask`` support (MiniMax-M3's block selection).
+    needs_custom_mask: bool
+
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
+        """Describe the pools the model needs (named ``prefix`` or ``prefix.<something>``) and bind its
+        attention layers to them; the caller registers them in the cache. Calling it again rebinds."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(PagedModel, Protocol):
     """A causal LM over the paged cache.
 
-    ``kv_pools(prefix, block_size, dtype)`` describes the pools the model needs (named ``prefix`` or
-    ``prefix.<something>``) and binds the model's attention layers to them; the engine registers them
-    in the cache. ``forward`` runs the flattened varlen batch. Hidden-state capture follows the
-    capture-before convention: id ``i`` is the residual stream entering decoder layer ``i`` (id 0 =
-    the embeddings), equal to transformers' ``output_hidden_states[i]`` for ``i < num_layers``.
+    ``forward`` runs the flattened varlen batch. Hidden-state capture follows the capture-before
+    convention: id ``i`` is the residual stream entering decoder layer ``i`` (id 0 = the
+    embeddings), equal to transformers' ``output_hidden_states[i]`` for ``i < num_layers``.
     """
 
     hf_config: object
     num_layers: int
     hidden_size: int
     vocab_size: int
-    # Page size the architecture needs (MiniMax-M3's block-sparse attention: 128); None = any.
-    required_block_size: int | None
-    # Whether the attention needs a backend with ``custom_mask`` support (MiniMax-M3's block selection).
-    needs_custom_mask: bool
-
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]: ...
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        ctx: ForwardContext,
+        ctx: AttentionContext,
         aux_layer_ids: Sequence[int] = (),
     ) -> ModelOutput: ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, vocab_size]`` of final (post-norm) hidden states."""
+        ...
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[vocab_size, hidden_size]`` projection :meth:`compute_logits` applies: the LM head, or
+        the embedding matrix when they are tied (what a draft without its own head shares)."""
+        ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
+    def kv_layer_slots(self) -> list[tuple[str, int]]:
+        """``(pool name, layer index in that pool)`` holding each decoder layer's KV, as
+        :meth:`kv_pools` bound them: where a draft that shares a target layer's KV finds it."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The weights (``torch.nn.Module.parameters``): their dtype and device are the model's."""
+        ...
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

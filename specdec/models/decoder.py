@@ -3,9 +3,9 @@
 :class:`DecoderOnlyLM` holds what does not depend on the attention or MLP kind: the embeddings, the
 decoder-layer loop with capture-before aux hidden states, the final norm, the (optionally tied) LM
 head, binding attention layers to their KV pool, and the checkpoint-name rules all checkpoints follow.
-An architecture builds its ``model`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``, the
-names transformers writes) and overrides only what differs: ``kv_pools`` for other cache layouts,
-``_checkpoint_name`` for other tensor spellings.
+An architecture builds its ``model`` (a :class:`DecoderModel`: ``embed_tokens``, ``layers``,
+``norm``, ``rotary_emb``, the names transformers writes) from its own decoder layers and overrides
+only what differs: ``kv_pools`` for extra pools, ``_checkpoint_name`` for other tensor spellings.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from specdec.cache.pool import AttentionPool, PagedPool
-from specdec.models.base import ForwardContext, ModelOutput
-from specdec.models.layers import PrepackedLMHead, RotaryEmbedding
+from specdec.cache.pool import KVPool
+from specdec.models.base import AttentionContext, ModelOutput
+from specdec.models.layers import PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.models.weights import load_named_weights
 
 
@@ -50,10 +50,25 @@ class PreNormDecoderLayer(nn.Module):
     """
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The base model under the LM head (``model.*`` in a checkpoint): ``embed_tokens``, the decoder
+    ``layers``, the final ``norm`` and ``rotary_emb`` (no parameters or buffers: its float32 tables
+    are rebuilt by ``reset_buffers()`` after loading)."""
+
+    def __init__(
+        self, config, layers: Iterable[nn.Module], rotary_emb: RotaryEmbedding, *, norm_unit_offset: bool = False
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=norm_unit_offset)
+        self.rotary_emb = rotary_emb
 
 
 class DecoderOnlyLM(PrepackedLMHead, nn.Module):
@@ -81,19 +96,16 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
 
     # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One attention pool named ``prefix`` holding every layer's K/V; binds the layers to it."""
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
+        """One pool named ``prefix`` holding every layer's KV, laid out as layer 0's attention keeps it
+        (K/V heads, or an MLA latent); binds the layers to it."""
         attn = self.model.layers[0].self_attn
-        pool = AttentionPool(
-            prefix,
-            num_layers=self.num_layers,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=dtype,
-        )
+        pool = attn.kv_pool(prefix, num_layers=self.num_layers, block_size=block_size, dtype=dtype)
         self._bind_attention(prefix)
         return [pool]
+
+    def kv_layer_slots(self) -> list[tuple[str, int]]:
+        return [(bound_pool(layer.self_attn.pool), layer.self_attn.layer_idx) for layer in self.model.layers]
 
     def _bind_attention(self, pool: str) -> None:
         for layer in self.model.layers:
@@ -103,13 +115,8 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> ModelOutput:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                aux_layer_ids: Sequence[int] = ()) -> ModelOutput:
         """Run the flattened varlen batch ``input_ids [T]`` at ``positions [T]``.
 
         ``aux_layer_ids`` selects residual streams to capture: id ``i`` is the stream entering layer
@@ -125,7 +132,7 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
         aux = torch.cat(captured, dim=-1) if captured else None
         return ModelOutput(hidden_states=self.model.norm(h), prenorm_hidden_states=h, aux_hidden_states=aux)
 
-    def _output_weight(self) -> torch.Tensor:
+    def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> dict[int, int]:

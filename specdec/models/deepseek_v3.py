@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdec.cache.pool import MLAPool, PagedPool
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.cache.pool import MLAPool
+from specdec.models.base import AttentionContext
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
 from specdec.models.weights import SliceTarget
@@ -187,13 +187,8 @@ class DeepseekV3Attention(nn.Module):
 
     def __init__(self, s: DeepseekV3Settings, layer_idx: int):
         super().__init__()
+        self.settings = s  # head counts and dims, read by forward
         self.layer_idx = layer_idx
-        self.num_heads = s.num_heads
-        self.q_lora_rank = s.q_lora_rank
-        self.kv_lora_rank = s.kv_lora_rank
-        self.qk_nope_head_dim = s.qk_nope_head_dim
-        self.qk_rope_head_dim = s.qk_rope_head_dim
-        self.v_head_dim = s.v_head_dim
         self.scale = s.softmax_scale
         qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
         if s.q_lora_rank is None:
@@ -208,23 +203,29 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, eps=_LATENT_NORM_EPS)
         self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
         self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
-        self.pool: str | None = None  # bound by DeepseekV3ForCausalLM.kv_pools
+        self.pool: str | None = None  # bound by the model's kv_pools()
+
+    def kv_pool(self, name: str, *, num_layers: int, block_size: int, dtype: torch.dtype) -> MLAPool:
+        """An MLA pool of ``num_layers`` layers of this layer's latent rows (an MLA draft can join a
+        target's as extra layers, ``pool.add_layers``)."""
+        return MLAPool(name, num_layers=num_layers, block_size=block_size, dtype=dtype,
+                       kv_lora_rank=self.settings.kv_lora_rank, qk_rope_head_dim=self.settings.qk_rope_head_dim)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         pool = bound_pool(self.pool)
-        num_tokens = x.shape[0]
-        nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(num_tokens, self.num_heads, nope + rope).split([nope, rope], dim=-1)
+        s, num_tokens = self.settings, x.shape[0]
+        nope, rope, rank = s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank
+        q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(num_tokens, s.num_heads, nope + rope).split([nope, rope], dim=-1)
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
         # k_pe is one key shared by all heads: rotate it as a single head.
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.kv_a_layernorm(compressed), k_pe.squeeze(1)], dim=-1)
 
         # kv_b_proj rows are, per head, nope key rows then value rows, each a map from the latent.
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + self.v_head_dim, rank)
+        w_kv = self.kv_b_proj.weight.view(s.num_heads, nope + s.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
@@ -232,7 +233,7 @@ class DeepseekV3Attention(nn.Module):
         out = ctx.attend_mla(pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
         # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
         values = torch.einsum("thr,hvr->thv", out, w_uv)
-        return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_head_dim))
+        return self.o_proj(values.reshape(num_tokens, s.num_heads * s.v_head_dim))
 
 
 class DeepseekV3MLP(GatedMLP):
@@ -249,12 +250,7 @@ class DeepseekV3TopkRouter(nn.Module):
 
     def __init__(self, s: DeepseekV3Settings):
         super().__init__()
-        self.top_k = s.top_k
-        self.num_experts = s.num_experts
-        self.num_groups = s.num_groups
-        self.topk_groups = s.topk_groups
-        self.norm_topk_prob = s.norm_topk_prob
-        self.routed_scaling_factor = s.routed_scaling_factor
+        self.settings = s  # top-k, groups, renormalisation and scaling, read by forward
         self.weight = nn.Parameter(torch.empty(s.num_experts, s.hidden_size, dtype=torch.float32))
         # A parameter, not a buffer, so a checkpoint without it is reported instead of running on garbage.
         self.e_score_correction_bias = nn.Parameter(torch.empty(s.num_experts, dtype=torch.float32))
@@ -268,21 +264,21 @@ class DeepseekV3TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> (mixing weights ``[T, top_k]`` in >= float32, expert ids ``[T, top_k]``)."""
-        cd = compute_dtype(x.dtype)
+        s, cd = self.settings, compute_dtype(x.dtype)
         scores = F.linear(x.to(cd), self.weight.to(cd)).sigmoid()
         choice = scores + self.e_score_correction_bias.to(cd)
-        if self.topk_groups < self.num_groups:
+        if s.topk_groups < s.num_groups:
             # Keep the topk_groups groups whose two best (biased) experts score highest.
-            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            grouped = choice.view(-1, s.num_groups, s.num_experts // s.num_groups)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
-        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            keep.scatter_(1, group_scores.topk(s.topk_groups, dim=-1, sorted=False).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, s.num_experts)
+        ids = choice.topk(s.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
+        if s.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        return weights * s.routed_scaling_factor, ids
 
 
 class DeepseekV3Experts(FusedExperts):
@@ -323,20 +319,6 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, eps=rms_norm_eps)
 
 
-class DeepseekV3Model(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in the checkpoint)."""
-
-    def __init__(self, config, s: DeepseekV3Settings):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(s, i, config.rms_norm_eps) for i in range(s.num_layers)
-        )
-        self.norm = RMSNorm(s.hidden_size, eps=config.rms_norm_eps)
-        # No parameters or buffers: its float32 tables are rebuilt by reset_buffers() after loading.
-        self.rotary_emb = RotaryEmbedding(config, s.qk_rope_head_dim, interleaved=s.rope_interleave)
-
-
 class DeepseekV3ForCausalLM(DecoderOnlyLM):
     """deepseek_v3 / kimi_k2 causal LM implementing :class:`specdec.models.CausalLM`."""
 
@@ -346,27 +328,12 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
                 f"DeepseekV3ForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
             )
         settings = DeepseekV3Settings.from_hf_config(config)
-        super().__init__(config, DeepseekV3Model(config, settings))
+        layers = (DeepseekV3DecoderLayer(settings, i, config.rms_norm_eps) for i in range(settings.num_layers))
+        rotary = RotaryEmbedding(config, settings.qk_rope_head_dim, interleaved=settings.rope_interleave)
+        super().__init__(config, DecoderModel(config, layers, rotary))
         self.settings = settings
         self.kv_lora_rank = settings.kv_lora_rank
         self.qk_rope_head_dim = settings.qk_rope_head_dim
-
-    # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """One MLA pool named ``prefix`` with every layer's latent rows; binds the layers to it.
-
-        An MLA draft (EAGLE3.1-MLA) can join this pool as extra layers via ``pool.add_layers``.
-        """
-        pool = MLAPool(
-            prefix,
-            num_layers=self.num_layers,
-            block_size=block_size,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            dtype=dtype,
-        )
-        self._bind_attention(prefix)
-        return [pool]
 
     # ----- weights -----
     def _checkpoint_name(self, name: str) -> str | SliceTarget | None:

@@ -91,20 +91,21 @@ class Linear(nn.Linear):
 
 
 class PrepackedLMHead:
-    """Mixin for a model's ``compute_logits`` over ``_output_weight()`` (its own head, or the tied or
+    """Mixin for a model's ``compute_logits`` over ``output_weight()`` (its own head, or the tied or
     shared rows it reads), served from a prepacked copy after :meth:`prepack_weights`."""
 
     _prepacked_head: torch.Tensor | None = None
 
-    def _output_weight(self) -> torch.Tensor:
+    def output_weight(self) -> torch.Tensor:
+        """The ``[vocab, hidden]`` rows the logits project onto."""
         raise NotImplementedError
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self._output_weight(), prepacked=self._prepacked_head)
+        return linear(hidden_states, self.output_weight(), prepacked=self._prepacked_head)
 
     def prepack_weights(self) -> None:
         """Prepack the output weight; :func:`prepack_weights` calls this beside each layer's own."""
-        self._prepacked_head = onednn_prepack(self._output_weight())
+        self._prepacked_head = onednn_prepack(self.output_weight())
 
     def _apply(self, fn, recurse: bool = True):
         self._prepacked_head = None  # moved or cast: the copy no longer matches

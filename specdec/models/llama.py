@@ -10,11 +10,9 @@ transformers writes (``model.layers.N.self_attn.q_proj.weight``, ...), so weight
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specdec.models.attention import GQASelfAttention
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import head_dim_of
 from specdec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -60,30 +58,19 @@ class LlamaAttention(GQASelfAttention):
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        pool = bound_pool(self.pool)
+    def qkv_heads(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            return super().qkv_heads(x, positions, rotary)
+        # q and k sit side by side in the packed output: one rotation covers both.
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.q_norm is None:
-            # q and k sit side by side in the packed output: one rotation covers both.
-            qkv = self.qkv_proj(x)
-            qk_width = (heads + kv_heads) * dim
-            (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
-        else:
-            q, k, v = self.project_qkv(x)
-            q = self.q_norm(q.view(num_tokens, heads, dim))
-            k = self.k_norm(k.view(num_tokens, kv_heads, dim))
-            v = v.view(num_tokens, kv_heads, dim)
-            q, k = rotary(positions, q, k)
-        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        qkv = self.qkv_proj(x)
+        qk_width = (heads + kv_heads) * dim
+        (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
+        return qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
 
 
 class LlamaMLP(GatedMLP):
@@ -107,21 +94,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in the checkpoint)."""
-
-    def __init__(self, config):
-        super().__init__()
-        windows = sliding_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i]) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # No parameters or buffers: its float32 tables are rebuilt by reset_buffers() after loading.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
-
-
 class LlamaForCausalLM(DecoderOnlyLM):
     """llama / mistral / qwen2 / qwen3 causal LM implementing :class:`specdec.models.CausalLM`."""
 
@@ -130,4 +102,5 @@ class LlamaForCausalLM(DecoderOnlyLM):
             raise ValueError(
                 f"LlamaForCausalLM serves model_type {list(SUPPORTED_MODEL_TYPES)}, got {config.model_type!r}"
             )
-        super().__init__(config, LlamaModel(config))
+        layers = (LlamaDecoderLayer(config, i, window) for i, window in enumerate(sliding_windows(config)))
+        super().__init__(config, DecoderModel(config, layers, RotaryEmbedding(config, head_dim_of(config))))

@@ -20,8 +20,7 @@ from torch import nn
 # aux_capture_counts, check_gqa, head_dim_of and load_weights_with_slices are re-exported: they were
 # first defined here.
 from specdec.models.attention import GQASelfAttention
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts, bound_pool  # noqa: F401
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts  # noqa: F401
 from specdec.models.dims import check_gqa, head_dim_of, rotary_dim_of  # noqa: F401
 from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
@@ -41,18 +40,15 @@ class MiniMaxM2Attention(GQASelfAttention):
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        pool = bound_pool(self.pool)
+    def qkv_heads(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         q, k, v = self.project_qkv(x)
         q = self.q_norm(q).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
 class MiniMaxM2SparseMoeBlock(nn.Module):
@@ -83,24 +79,14 @@ class MiniMaxM2DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class MiniMaxM2Model(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in the checkpoint)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
-
-
 class MiniMaxM2ForCausalLM(DecoderOnlyLM):
     """``minimax_m2`` causal LM implementing :class:`specdec.models.CausalLM`."""
 
     def __init__(self, config):
         if config.model_type != "minimax_m2":
             raise ValueError(f"MiniMaxM2ForCausalLM serves model_type 'minimax_m2', got {config.model_type!r}")
-        super().__init__(config, MiniMaxM2Model(config))
+        layers = (MiniMaxM2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        super().__init__(config, DecoderModel(config, layers, RotaryEmbedding(config, rotary_dim_of(config))))
         self._num_experts = config.num_local_experts
         self._intermediate = config.intermediate_size
 

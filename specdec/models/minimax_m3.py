@@ -14,28 +14,27 @@ indexer head makes its own choice for a contiguous group of attention heads.
 
 Cache layout (two pools, same page size): ``prefix`` is an ordinary attention pool with every
 layer's K/V; ``prefix + ".index"`` holds the indexer keys of the sparse layers only (entry ``"k"``,
-``[index_head_dim]`` per token). Selection always reads the cached indexer keys, so prefill, chunked
-prefill, decode and verify choose blocks identically. Pages must be ``index_block_size`` tokens
-(128 for the released model), the page size the deployment kernel needs; :meth:`kv_pools` rejects
-any other. The selected blocks become a per-query ``custom_mask`` on a copy of the metadata, one
-backend call per indexer head group, so any backend with ``custom_mask`` support runs it exactly.
+``[index_head_dim]`` per token), written and read back through the attention context. Selection
+always reads the cached indexer keys, so prefill, chunked prefill, decode and verify choose blocks
+identically. Pages must be ``index_block_size`` tokens (128 for the released model), the page size
+the deployment kernel needs; :meth:`kv_pools` rejects any other. The selected blocks are the
+attention's ``key_mask``: the context turns them into a per-query ``custom_mask``, one backend call
+per indexer head group, so any backend with ``custom_mask`` support runs it exactly.
 """
 
 from __future__ import annotations
 
 import re
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.backends.base import AttentionBackend, AttentionMetadata
-from specdec.backends.torch_ref import gather_pages
-from specdec.cache.pool import PagedPool
+from specdec.backends.base import AttentionMetadata
+from specdec.cache.pool import KVPool, PagedPool
 from specdec.models.attention import GQASelfAttention
-from specdec.models.base import ForwardContext
-from specdec.models.decoder import DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.models.base import AttentionContext
+from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import rotary_dim_of
 from specdec.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.minimax_m2 import is_mtp_tensor
@@ -166,7 +165,7 @@ class MiniMaxM3Indexer(nn.Module):
         self.pool_layer = -1
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         """Write this step's indexer keys, then return the keep mask ``[T, index_n_heads, max_seq_len]``."""
         n = x.shape[0]
@@ -175,10 +174,9 @@ class MiniMaxM3Indexer(nn.Module):
         cos, sin = rotary.cos_sin(positions, q.dtype)
         width = min(self.head_dim, rotary.rotary_dim)
         q, k = rotate_prefix(q, cos, sin, width), rotate_prefix(k, cos, sin, width)
-        cache = ctx.cache.pool(self.pool).layer(self.pool_layer)
-        meta = ctx.metadata[self.pool]
-        ctx.backend.write_kv(cache, {"k": k[:, 0]}, meta.slot_mapping)
-        keys = gather_pages(cache["k"], meta)  # [B, S, D]: the cached keys, this step's included
+        ctx.write(self.pool, self.pool_layer, {"k": k[:, 0]})
+        keys = ctx.gather(self.pool, self.pool_layer, "k")  # [B, S, D]: the cached keys, this step's included
+        meta = ctx.pool_metadata(self.pool)
         request, offset, query_pos = query_layout(meta)
         scores = self.block_scores(q, keys, meta, request, offset, query_pos)
         return self.select_blocks(scores, query_pos, meta.max_seq_len)
@@ -233,36 +231,6 @@ def _compute_query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.
     return request, offset, position
 
 
-def block_sparse_attention(
-    backend: AttentionBackend,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    keep: torch.Tensor,
-    *,
-    scale: float,
-) -> torch.Tensor:
-    """Attention where head group ``g`` (of ``keep.shape[1]`` contiguous groups) sees only ``keep[:, g]``.
-
-    One backend call per group, with the group's keys as ``custom_mask`` (ANDed with any mask the
-    metadata already carries); groups that chose the same keys share one call.
-    """
-    num_heads, num_kv_heads, groups = q.shape[1], k_cache.shape[2], keep.shape[1]
-    if meta.custom_mask is not None:
-        keep = keep & meta.custom_mask[:, None, : meta.max_seq_len]
-    if groups == 1 or bool((keep == keep[:, :1]).all()):
-        return backend.attention(q, k_cache, v_cache, attrs.evolve(meta, custom_mask=keep[:, 0]), scale=scale)
-    per_group, per_kv = num_heads // groups, num_heads // num_kv_heads
-    outs = []
-    for g in range(groups):
-        first, last = g * per_group, (g + 1) * per_group
-        kv = slice(first // per_kv, (last - 1) // per_kv + 1)
-        group_meta = attrs.evolve(meta, custom_mask=keep[:, g])
-        outs.append(backend.attention(q[:, first:last], k_cache[:, :, kv], v_cache[:, :, kv], group_meta, scale=scale))
-    return torch.cat(outs, dim=1)
-
-
 class MiniMaxM3Attention(GQASelfAttention):
     """GQA attention with per-head Gemma QK norm and partial RoPE; block-sparse when it has an indexer."""
 
@@ -285,25 +253,11 @@ class MiniMaxM3Attention(GQASelfAttention):
                 f"that align with the {self.num_kv_heads} KV heads (e.g. index_n_heads = num_key_value_heads)"
             )
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        pool = bound_pool(self.pool)
-        n = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        if self.indexer is None:
-            out = ctx.attend(pool, self.layer_idx, q, k, v, scale=self.scale)
-        else:
-            kv = ctx.cache.pool(pool).layer(self.layer_idx)
-            meta = ctx.metadata[pool]
-            ctx.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
-            keep = self.indexer(x, positions, rotary, ctx)
-            out = block_sparse_attention(ctx.backend, q, kv["k"], kv["v"], meta, keep, scale=self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+    def key_mask(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
+    ) -> torch.Tensor | None:
+        """The indexer's block choice on sparse layers (``[T, index_n_heads, max_seq_len]``), else None."""
+        return None if self.indexer is None else self.indexer(x, positions, rotary, ctx)
 
 
 class MiniMaxM3DecoderLayer(PreNormDecoderLayer):
@@ -313,20 +267,6 @@ class MiniMaxM3DecoderLayer(PreNormDecoderLayer):
         self.mlp = MiniMaxM3SparseMoeBlock(config) if moe else MiniMaxM3DenseMLP(config, config.dense_intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
-
-
-class MiniMaxM3Model(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in a text checkpoint)."""
-
-    def __init__(self, config, attention_types: list[str], mlp_types: list[str]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MiniMaxM3DecoderLayer(config, i, attention_types[i] == SPARSE_LAYER, mlp_types[i] == "sparse")
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
-        self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
 
 
 _VISION_PREFIXES = (
@@ -360,7 +300,12 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         text = text_config_of(config)
         attention_types = _per_layer(text, "layer_types", (FULL_LAYER, SPARSE_LAYER), FULL_LAYER)
         mlp_types = _per_layer(text, "mlp_layer_types", ("sparse", "dense"), "sparse")
-        super().__init__(config, MiniMaxM3Model(text, attention_types, mlp_types), text_config=text)
+        layers = (
+            MiniMaxM3DecoderLayer(text, i, attention_types[i] == SPARSE_LAYER, mlp_types[i] == "sparse")
+            for i in range(text.num_hidden_layers)
+        )
+        model = DecoderModel(text, layers, RotaryEmbedding(text, rotary_dim_of(text)), norm_unit_offset=True)
+        super().__init__(config, model, text_config=text)
         self.text_config = text
         self.is_multimodal = config.model_type == "minimax_m3_vl"
         self.attention_types = attention_types
@@ -369,7 +314,7 @@ class MiniMaxM3ForCausalLM(DecoderOnlyLM):
         self.needs_custom_mask = SPARSE_LAYER in attention_types
 
     # ----- cache -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
         """``prefix``: every layer's K/V; ``prefix + ".index"``: the sparse layers' indexer keys."""
         if block_size != self.required_block_size:
             raise ValueError(

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 
 
 class TTTContext:
-    """Duck-typed :class:`~specdec.models.base.ForwardContext` for one batch of ``batch x seq`` windows.
+    """The :class:`~specdec.models.base.AttentionContext` of one batch of ``batch x seq`` windows.
 
     Call :meth:`next_step` between draft steps. Tensors the draft passes in are flattened
-    ``[batch * seq, ...]`` in window-major order, as the draft's varlen forward sees them.
+    ``[batch * seq, ...]`` in window-major order, as the draft's varlen forward sees them. Pools are
+    names only here: nothing is paged, so the members that read or write cache entries outside
+    attention (what a block-sparse layer needs, never an EAGLE3 draft's) refuse.
     """
 
     def __init__(self, batch: int, seq: int, *, shared_kv: tuple[torch.Tensor, ...] | None = None,
@@ -79,12 +81,14 @@ class TTTContext:
             out = out + weights[..., self.seq + i, None] * cv
         return out
 
-    # ----- the ForwardContext calls -----
+    # ----- the AttentionContext calls -----
     def attend(self, pool: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, sliding_window: int | None = None) -> torch.Tensor:
+               scale: float, sliding_window: int | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``q [T, H, D]``, ``k``/``v [T, kv_heads, D]`` -> ``[T, H, D]`` (GQA: query head h reads kv head h // group)."""
         if sliding_window is not None:
             raise ValueError("training-time test does not support sliding-window draft attention")
+        if key_mask is not None:
+            raise ValueError("training-time test does not support block-sparse (key_mask) draft attention")
         B, S = self.batch, self.seq
         heads, kv_heads = q.shape[1], k.shape[1]
         qb = q.view(B, S, heads, -1).transpose(1, 2)
@@ -124,3 +128,20 @@ class TTTContext:
         vb = kb[..., :kv_lora_rank]
         out = self._attend(qb, kb, vb, scale)
         return out.transpose(1, 2).reshape(B * S, heads, kv_lora_rank)
+
+    def write(self, pool: str, layer: int, entries) -> None:
+        """Refuses: training-time test keeps only what :meth:`attend` / :meth:`attend_mla` are given."""
+        raise NotImplementedError(self._no_cache("write"))
+
+    def gather(self, pool: str, layer: int, entry: str) -> torch.Tensor:
+        """Refuses, as :meth:`write` does."""
+        raise NotImplementedError(self._no_cache("gather"))
+
+    def pool_metadata(self, pool: str):
+        """Refuses, as :meth:`write` does: the windows have no paged layout."""
+        raise NotImplementedError(self._no_cache("pool_metadata"))
+
+    @staticmethod
+    def _no_cache(member: str) -> str:
+        return (f"TTTContext.{member}: training-time test runs draft layers that only attend (attend / attend_mla); "
+                "a layer that reads or writes its own cache entries (block-sparse attention) cannot be trained here")

@@ -26,7 +26,8 @@ from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
 from specdec.backends import get_backend
 from specdec.models import CheckpointError, load_model
 from specdec.backends.base import AttentionMetadata
-from specdec.models.minimax_m3 import MiniMaxM3ForCausalLM, block_sparse_attention, rotate_prefix
+from specdec.backends.block_sparse import block_sparse_attention
+from specdec.models.minimax_m3 import MiniMaxM3ForCausalLM, rotate_prefix
 from paged_reference import assert_traces_match, specdec_greedy, transformers_greedy
 
 VOCAB = 96

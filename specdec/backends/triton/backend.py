@@ -6,7 +6,8 @@ from typing import Mapping
 
 import torch
 
-from specdec.backends.base import AttentionMetadata
+from specdec.backends import pages
+from specdec.backends.base import AttentionMetadata, AttentionOutput
 from specdec.backends.triton.config import KernelConfig
 from specdec.backends.triton.runtime import check_runnable
 
@@ -42,17 +43,11 @@ class TritonBackend:
     ) -> None:
         self._ops.write_slots(layer, values, slot_mapping)
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # A model's own reads of an entry are one gather, which torch does as well as a kernel would.
+    gather_pages = staticmethod(pages.gather_pages)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> AttentionOutput:
         return self._ops.paged_attention(
             q,
             k_cache,
@@ -64,16 +59,8 @@ class TritonBackend:
             return_lse=return_lse,
         )
 
-    def mla_attention(
-        self,
-        q: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        kv_lora_rank: int,
-        scale: float,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
+                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
         if latent_cache.dim() != 3:
             raise ValueError(
                 f"mla_attention: latent cache must be [blocks, page, kv_lora_rank + rope_dim], got {tuple(latent_cache.shape)}"

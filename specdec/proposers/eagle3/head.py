@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.models.base import ForwardContext
+from specdec.cache.pool import KVPool
+from specdec.models.base import AttentionContext
 from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 
@@ -41,7 +42,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
-        ctx: ForwardContext,
+        ctx: AttentionContext,
     ) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
@@ -60,7 +61,10 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
 
     is_mla = False
     num_layers = 1
+    # What the cache set-up asks of any paged model (specdec.models.base.PagedModel): any page size,
+    # plain causal attention.
     required_block_size: int | None = None
+    needs_custom_mask: bool = False
 
     def __init__(
         self,
@@ -103,6 +107,20 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
 
     def _build_rotary(self, config: Eagle3DraftConfig) -> RotaryEmbedding:
         raise NotImplementedError
+
+    # ----- pools -----
+    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:
+        """A single-layer pool named ``prefix`` of the draft's own, laid out as its attention keeps KV
+        (K/V heads, or an MLA latent); binds the attention to it. Any page size: the draft is indexed
+        by its own block tables."""
+        pool = self.midlayer.self_attn.kv_pool(prefix, num_layers=1, block_size=block_size, dtype=dtype)
+        self.bind_pool(pool, 0)
+        return [pool]
+
+    def bind_pool(self, pool: KVPool, layer_index: int) -> None:
+        """Keep the draft's KV in layer ``layer_index`` of ``pool``."""
+        attn = self.midlayer.self_attn
+        attn.pool, attn.layer_idx = pool.name, layer_index
 
     # ----- target sharing -----
     def share_target(self, target, target_output_weight: torch.Tensor | None) -> None:
@@ -154,7 +172,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         return self.fc(x)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over a flattened varlen batch.
 
@@ -176,7 +194,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         """Draft-vocabulary logits ``[T, draft_vocab_size]`` of post-norm states."""
         return super().compute_logits(hidden_states)
 
-    def _output_weight(self) -> torch.Tensor:
+    def output_weight(self) -> torch.Tensor:
         return self.lm_head_weight
 
     # ----- vocabulary -----

@@ -152,20 +152,22 @@ class SharedKVContext(ForwardContext):
 
     ``shared[(pool, layer)]`` names the extra source of the layer bound to ``(pool, layer)``: that
     layer's new K/V (or latent) is written to its own pool and attended causally there as usual,
-    its queries also attend over the source without writing, and the two merge by LSE.
+    its queries also attend over the source without writing, and the two merge by LSE. ``write``,
+    ``gather`` and ``pool_metadata`` act on the named pool alone, as in any forward.
     """
 
     shared: dict[tuple[str, int], KVSource] = attrs.field(factory=dict)
 
-    def attend(self, pool, layer, q, k, v, *, scale, sliding_window=None):
+    def attend(self, pool, layer, q, k, v, *, scale, sliding_window=None, key_mask=None):
         source = self.shared.get((pool, layer))
         if source is None:
-            return super().attend(pool, layer, q, k, v, scale=scale, sliding_window=sliding_window)
+            return super().attend(pool, layer, q, k, v, scale=scale, sliding_window=sliding_window, key_mask=key_mask)
         if sliding_window is not None:
             raise ValueError("KV sharing does not support sliding-window draft attention")
-        kv = self.cache.pool(pool).layer(layer)
-        meta = self.metadata[pool]
-        self.backend.write_kv(kv, {"k": k, "v": v}, meta.slot_mapping)
+        if key_mask is not None:
+            raise ValueError("KV sharing does not support block-sparse (key_mask) draft attention")
+        self.write(pool, layer, {"k": k, "v": v})
+        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
         own, own_lse = self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, return_lse=True)
         src = self.cache.pool(source.pool).layer(source.layer)
         shared, shared_lse = self.backend.attention(
@@ -177,9 +179,8 @@ class SharedKVContext(ForwardContext):
         source = self.shared.get((pool, layer))
         if source is None:
             return super().attend_mla(pool, layer, q, latent, kv_lora_rank=kv_lora_rank, scale=scale)
-        kv = self.cache.pool(pool).layer(layer)
-        meta = self.metadata[pool]
-        self.backend.write_kv(kv, {"latent": latent}, meta.slot_mapping)
+        self.write(pool, layer, {"latent": latent})
+        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
         own, own_lse = self.backend.mla_attention(
             q, kv["latent"], meta, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True
         )

@@ -10,9 +10,8 @@ the draft can live in the target's MLA pool as one extra layer (:meth:`Eagle3MLA
 from __future__ import annotations
 
 import attrs
-import torch
 
-from specdec.cache.pool import MLAPool, PagedPool
+from specdec.cache.pool import KVPool, MLAPool
 from specdec.models.deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, DeepseekV3Settings
 from specdec.models.layers import Linear, RotaryEmbedding
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
@@ -64,24 +63,11 @@ class Eagle3MLADraft(Eagle3Head):
         return self.config.qk_rope_head_dim
 
     # ----- pools -----
-    def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[PagedPool]:
-        """A single-layer MLA pool named ``prefix`` of the draft's own; binds the attention to it."""
-        pool = MLAPool(
-            prefix,
-            num_layers=1,
-            block_size=block_size,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            dtype=dtype,
-        )
-        self.bind_pool(pool, 0)
-        return [pool]
-
     def mla_pool_layers(self) -> int:
         """Layers the draft needs in a shared MLA pool."""
         return 1
 
-    def check_pool(self, pool: PagedPool) -> None:
+    def check_pool(self, pool: KVPool) -> None:
         """Raise ValueError unless ``pool`` is an MLA pool whose latent rows have the draft's shape."""
         if not isinstance(pool, MLAPool):
             raise ValueError(
@@ -94,17 +80,16 @@ class Eagle3MLADraft(Eagle3Head):
                 "cannot live in that pool: give the draft its own pool (kv_pools)"
             )
 
-    def bind_pool(self, pool: PagedPool, layer_index: int) -> None:
+    def bind_pool(self, pool: KVPool, layer_index: int) -> None:
         """Keep the draft's latent rows in layer ``layer_index`` of ``pool`` (checked with :meth:`check_pool`)."""
         self.check_pool(pool)
         if not 0 <= layer_index < pool.num_layers:
             raise ValueError(
                 f"pool {pool.name!r} has {pool.num_layers} layers, cannot bind the draft to layer {layer_index}"
             )
-        attn = self.midlayer.self_attn
-        attn.pool, attn.layer_idx = pool.name, layer_index
+        super().bind_pool(pool, layer_index)
 
-    def join_pool(self, pool: PagedPool) -> int:
+    def join_pool(self, pool: KVPool) -> int:
         """Add the draft's layer to a target MLA pool before it is materialised; returns its index."""
         self.check_pool(pool)
         (index,) = pool.add_layers(self.mla_pool_layers())

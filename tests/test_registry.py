@@ -54,3 +54,36 @@ def test_entry_points_of_installed_distributions(tmp_path, monkeypatch):
     monkeypatch.undo()
     reg.refresh()
     assert reg.names() == ["json"]
+
+
+def test_backends_and_architectures_plug_in_through_the_same_registry(tiny_checkpoint):
+    from specdec import LLM, SamplingParams
+    from specdec.backends import available_backends, register_backend
+    from specdec.backends.torch_ref import TorchBackend
+    from specdec.models.registry import model_class, register_architecture, supported_model_types
+
+    class Counting(TorchBackend):
+        calls = 0
+
+        def attention(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().attention(*args, **kwargs)
+
+    register_backend("counting-test", Counting)
+    assert "counting-test" in available_backends()
+    folder = str(tiny_checkpoint("llama"))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = LLM(folder, dtype="float64", kv_cache_memory=1 << 20).generate([[1, 2, 3]], params, use_tqdm=False)
+    counted = LLM(folder, dtype="float64", kv_cache_memory=1 << 20, attention_backend="counting-test")
+    assert counted.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == plain[0].token_ids
+    assert Counting.calls > 0
+    register_architecture("llama-test-alias", "specdec.models.llama:LlamaForCausalLM")
+    assert "llama-test-alias" in supported_model_types()
+
+    class Config:
+        model_type = "llama-test-alias"
+
+    assert model_class(Config).__name__ == "LlamaForCausalLM"
+    Config.model_type = "gpt2"
+    with pytest.raises(UnknownNameError, match="unsupported model_type 'gpt2'; supported: .*llama-test-alias"):
+        model_class(Config)

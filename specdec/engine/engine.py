@@ -98,7 +98,7 @@ class LLMEngine:
         self._rejection = RejectionSampler()
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_model_len = int(max_model_len or config_max_len(model))
-        self.device = next(model.parameters()).device  # type: ignore[attr-defined]
+        self.device = next(model.parameters()).device
 
         if pools is None:
             if cache.is_built or cache.pools:

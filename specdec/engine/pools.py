@@ -46,7 +46,7 @@ def register_pools(
     raises :class:`~specdec.runtime.block_size.PageSizeError`) before any memory is allocated.
     """
     check_target_backend(model, backend)
-    dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
+    dtype = next(model.parameters()).dtype
     size = choose_block_size(model, backend, block_size, dtype)
     pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, dtype)]
     declared = ProposerPools()
@@ -57,7 +57,7 @@ def register_pools(
             cache=cache,
             backend=backend,
             dtype=dtype,
-            device=next(model.parameters()).device,  # type: ignore[attr-defined]
+            device=next(model.parameters()).device,
             max_model_len=max_model_len,
         )
         declared = proposer.setup(context) or ProposerPools()

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 from specdec.backends.base import AttentionBackend
-from specdec.models.base import CausalLM
+from specdec.models.base import PagedModel
 from specdec.validation import is_int
 
 # Page sizes a backend is asked about when a message lists what it supports.
@@ -48,7 +48,7 @@ _PREFERRED = (16, 64, 128, 1)
 
 
 def choose_block_size(
-    model: CausalLM,
+    model: PagedModel,
     backend: AttentionBackend,
     requested: int | None,
     dtype: torch.dtype,
@@ -88,7 +88,7 @@ def choose_block_size(
     )
 
 
-def _unsupported_kinds(model: CausalLM, backend: AttentionBackend, size: int, dtype: torch.dtype) -> list[str]:
+def _unsupported_kinds(model: PagedModel, backend: AttentionBackend, size: int, dtype: torch.dtype) -> list[str]:
     # Describing pools has no side effect beyond binding layers to names, which the final call redoes.
     # Custom pools (an indexer's keys, say) are read by the model itself, not by the backend.
     kinds = {p.kind for p in model.kv_pools("probe", size, dtype)} & set(BACKEND_KINDS)

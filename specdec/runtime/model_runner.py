@@ -59,7 +59,7 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.pool_names = list(pool_names)
-        self.device = next(model.parameters()).device  # type: ignore[attr-defined]
+        self.device = next(model.parameters()).device
 
     def layout(self, chunks: Sequence[Chunk]) -> StepLayout:
         """The layout of ``chunks``: each continues its request's cached length."""

@@ -15,6 +15,7 @@ import attrs
 
 from specdec.outputs import RequestOutput, RequestStep, StepOutput, TokenLogprob
 from specdec.sampling.params import SamplingParams
+from specdec.spec_stats import SpecStats
 from specdec.text import TextStream
 
 
@@ -22,8 +23,8 @@ from specdec.text import TextStream
 class RequestState:
     """One request's output so far (see :class:`OutputProcessor`).
 
-    ``num_drafts`` / ``num_draft_tokens`` / ``accepted_per_position`` count the steps that gave it drafts,
-    with vLLM's definitions (``specdec.spec_stats``), so a response can carry its own figures.
+    ``spec`` counts the steps that gave it drafts, with vLLM's definitions (``specdec.spec_stats``), so a
+    response can carry its own figures.
     """
 
     request_id: int
@@ -35,9 +36,7 @@ class RequestState:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    accepted_per_position: list[int] = attrs.Factory(list)
+    spec: SpecStats = attrs.Factory(SpecStats)
     _sent_tokens: int = 0
     _sent_prompt_logprobs: bool = False
 
@@ -54,12 +53,7 @@ class RequestState:
         if self.finished:
             return False  # tokens of steps after a stop, before the engine heard of it
         if step.draft_token_ids:
-            self.num_drafts += 1
-            self.num_draft_tokens += len(step.draft_token_ids)
-            if len(self.accepted_per_position) < len(step.draft_token_ids):
-                self.accepted_per_position += [0] * (len(step.draft_token_ids) - len(self.accepted_per_position))
-            for i in range(step.num_accepted):
-                self.accepted_per_position[i] += 1
+            self.spec.observe([len(step.draft_token_ids)], [step.num_accepted])
         if step.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = step.prompt_logprobs
         new = list(step.new_token_ids)
@@ -91,14 +85,6 @@ class RequestState:
             return None
         self._sent_prompt_logprobs = True
         return self.prompt_logprobs
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return sum(self.accepted_per_position)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
 
     def output(self) -> RequestOutput:
         return RequestOutput(

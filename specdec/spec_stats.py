@@ -82,6 +82,16 @@ class SpecStats:
             for i in range(a):
                 self.accepted_per_position[i] += 1
 
+    def add(self, other: "SpecStats") -> None:
+        """Add another set of counters (another request's, say) to these."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        longest = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        self.accepted_per_position += [0] * (longest - len(self.accepted_per_position))
+        for i, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += count
+
     def reset(self) -> None:
         """Zero every counter (``accepted_per_position`` keeps its length)."""
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0

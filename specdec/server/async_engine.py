@@ -2,7 +2,7 @@
 
 The :class:`~specdec.engine.engine.LLMEngine` is not thread-safe, so one thread owns it. Handlers on
 the event loop talk to it through a command queue (add a request, abort one) and get back, per request,
-an ``asyncio.Queue`` of :class:`Delta` objects: what the request gained in a step (text safe to stream,
+``(tag, Delta)`` items in a queue of theirs: what the request gained in a step (text safe to stream,
 token ids, logprobs) and, in its last one, why it finished and its own speculation figures. Requests
 of every client share the engine's steps (continuous batching).
 
@@ -28,26 +28,9 @@ import attrs
 from specdec.output_processor import OutputProcessor, RequestState
 from specdec.outputs import StepOutput, TokenLogprob
 from specdec.sampling.params import SamplingParams
+from specdec.spec_stats import SpecStats
 
 log = logging.getLogger("specdec.server")
-
-
-@attrs.frozen
-class SpecFigures:
-    """One request's speculation figures (vLLM's per-request spec-decode metrics)."""
-
-    num_spec_steps: int
-    num_draft_tokens: int
-    num_accepted_draft_tokens: int
-    accepted_per_position: tuple[int, ...]
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + (self.num_accepted_draft_tokens / self.num_spec_steps if self.num_spec_steps else 0.0)
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @attrs.frozen
@@ -61,7 +44,7 @@ class Delta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    spec: SpecFigures | None = None
+    spec: SpecStats | None = None
     error: str | None = None
 
     @property
@@ -218,10 +201,6 @@ class AsyncEngine:
         tokens, logprobs = state.new_tokens()
         finished = state.finished
         text = state.stream.unsent(finished) if state.stream is not None else ""
-        spec = None
-        if finished:
-            spec = SpecFigures(state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens,
-                               tuple(state.accepted_per_position))
         return Delta(
             text=text,
             token_ids=tuple(tokens),
@@ -229,7 +208,7 @@ class AsyncEngine:
             prompt_logprobs=state.take_prompt_logprobs(),
             finish_reason=state.finish_reason,
             num_prompt_tokens=len(state.prompt_token_ids),
-            spec=spec,
+            spec=state.spec if finished else None,
         )
 
     def _fail_running(self, err: Exception) -> None:

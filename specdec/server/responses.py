@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import attrs
 
 from specdec.outputs import TokenLogprob
-from specdec.server.async_engine import Delta, SpecFigures
+from specdec.server.async_engine import Delta
+from specdec.spec_stats import SpecStats
 
 
 @attrs.define
@@ -23,7 +24,7 @@ class Choice:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    spec: SpecFigures | None = None
+    spec: SpecStats | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -52,24 +53,22 @@ def usage(choices: Sequence[Choice], prompt_lens: Sequence[int]) -> dict[str, in
 
 
 def spec_metrics(choices: Sequence[Choice], num_speculative_tokens: int, detailed: bool) -> dict[str, Any]:
-    """The request's own speculation figures, summed over its choices (vLLM's definitions)."""
-    figures = [c.spec for c in choices if c.spec is not None]
-    steps = sum(f.num_spec_steps for f in figures)
-    drafted = sum(f.num_draft_tokens for f in figures)
-    accepted = sum(f.num_accepted_draft_tokens for f in figures)
-    per_position = [sum(f.accepted_per_position[i] for f in figures if i < len(f.accepted_per_position))
-                    for i in range(num_speculative_tokens)]
+    """The request's own speculation figures, summed over its choices (vLLM's definitions and names)."""
+    total = SpecStats.for_k(num_speculative_tokens)
+    for choice in choices:
+        if choice.spec is not None:
+            total.add(choice.spec)
     out = {
-        "mean_acceptance_length": 1.0 + (accepted / steps if steps else 0.0),
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "num_spec_steps": steps,
-        "num_draft_tokens": drafted,
-        "num_accepted_draft_tokens": accepted,
+        "mean_acceptance_length": total.mean_acceptance_length,
+        "draft_acceptance_rate": total.draft_acceptance_rate,
+        "num_spec_steps": total.num_drafts,
+        "num_draft_tokens": total.num_draft_tokens,
+        "num_accepted_draft_tokens": total.num_accepted_tokens,
         "num_spec_tokens": num_speculative_tokens,
-        "accepted_per_position": per_position,
+        "accepted_per_position": list(total.accepted_per_position),
     }
     if detailed:
-        out["acceptance_per_position"] = [a / steps if steps else 0.0 for a in per_position]
+        out["acceptance_per_position"] = total.acceptance_per_position
     return {"speculative_decoding": out}
 
 

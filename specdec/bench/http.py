@@ -81,7 +81,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], record
     return tokens
 
 
-async def _serve(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int, temperature: float,
+async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int, temperature: float,
                  concurrency: int, seed: int):
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
@@ -111,11 +111,11 @@ def run_over_http(base_url: str, prompts: Sequence[Sequence[int]], *, output_len
     if warmup:
         progress(f"warm-up: {warmup} request(s) to {base_url}")
         warm = [prompts[i % len(prompts)] for i in range(warmup)]
-        asyncio.run(_serve(base_url, card["id"], warm, output_len, temperature, concurrency, seed))
+        asyncio.run(serve_over_http(base_url, card["id"], warm, output_len, temperature, concurrency, seed))
     before = read_counters(base_url)
     progress(f"{len(prompts)} requests at concurrency {concurrency} to {base_url}")
     records, start, duration, outputs = asyncio.run(
-        _serve(base_url, card["id"], prompts, output_len, temperature, concurrency, seed))
+        serve_over_http(base_url, card["id"], prompts, output_len, temperature, concurrency, seed))
     after = read_counters(base_url)
     result = summarize(records, duration)
     result["num_preemptions"] = int(after.get("vllm:num_preemptions_total", 0) -

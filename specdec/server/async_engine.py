@@ -184,17 +184,20 @@ class AsyncEngine:
     def _deliver(self, out: StepOutput) -> None:
         for request in self._processor.process(out):
             self.engine.abort(request, "stop")
+        # One wake-up of each event loop per step, however many of its requests moved.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for part in out.requests:
             submission = self._live.get(part.request_id)
             if submission is None:
                 continue
-            state = self._processor.requests[part.request_id]
-            delta = self._delta(state)
-            submission.send(delta)
+            delta = self._delta(self._processor.requests[part.request_id])
+            batches.setdefault(submission.loop, []).append((submission.sink, (submission.tag, delta)))
             if delta.finished:
                 del self._live[part.request_id]
                 del self._processor.requests[part.request_id]
                 self._finished_one()
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     @staticmethod
     def _delta(state: RequestState) -> Delta:
@@ -222,6 +225,11 @@ class AsyncEngine:
             self._abort(request_id, "abort")
             if submission is not None:
                 submission.send(Delta("", (), error=message))
+
+
+def _put_all(items) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
 
 
 class Overloaded(RuntimeError):

@@ -68,6 +68,11 @@ class Registry(Generic[T]):
         self._registered[name] = target
         self._loaded.pop(name, None)
 
+    def unregister(self, name: str) -> None:
+        """Forget a name registered in this process (built-ins and installed names stay)."""
+        self._registered.pop(name, None)
+        self._loaded.pop(name, None)
+
     def names(self) -> list[str]:
         """Every selectable name, sorted."""
         return sorted({*self._builtins, *self._registered, *self._installed()})

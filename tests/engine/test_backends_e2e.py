@@ -173,11 +173,12 @@ class Mla16Backend(TorchBackend):
 
 
 @pytest.fixture
-def mla16(monkeypatch):
-    import specdec.backends as backends
+def mla16():
+    from specdec.backends import BACKENDS, register_backend
 
-    monkeypatch.setitem(backends._BACKENDS, Mla16Backend.name, Mla16Backend)
-    return Mla16Backend.name
+    register_backend(Mla16Backend.name, Mla16Backend)
+    yield Mla16Backend.name
+    BACKENDS.unregister(Mla16Backend.name)
 
 
 def _one_line(message: str) -> str:

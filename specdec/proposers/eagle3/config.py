@@ -41,9 +41,10 @@ def _optional_positive(instance, attribute, value) -> None:
 def _aux_ids(instance, attribute, value) -> None:
     if value is None:
         return
-    if not value or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in value):
+    if not value or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in value) or \
+            len(set(value)) != len(value):
         raise ValueError(
-            f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids must be a non-empty list of "
+            f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids must be a non-empty list of distinct "
             f"layer ids >= 0, got {list(value)!r}"
         )
 
@@ -89,6 +90,19 @@ class Eagle3DraftConfig:
     qk_rope_head_dim: int | None = attrs.field(default=None, validator=_optional_positive)
     v_head_dim: int | None = attrs.field(default=None, validator=_optional_positive)
     rope_interleave: bool = True
+    # Carried through to config.json unchanged (the serving model reads RoPE through hf_config).
+    rope_parameters: dict | None = None
+    max_position_embeddings: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    dtype: str | None = None
+    # Unshifted drafts (specdec.proposers.eagle3.unshifted): eagle_config.unshifted, bootstrap_hidden,
+    # kv_sharing_target_layers.
+    unshifted: bool = False
+    bootstrap_hidden: str | None = None
+    kv_sharing_target_layers: dict | None = None
     hf_config: Any = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -194,9 +208,72 @@ class Eagle3DraftConfig:
             v_head_dim=raw.get("v_head_dim") if is_mla else None,
             # DeepSeek MLA RoPE is the interleaved (GPT-J) pairing unless a config says otherwise.
             rope_interleave=bool(raw.get("rope_interleave", True)),
+            rope_parameters=raw.get("rope_parameters"),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            dtype=raw.get("dtype", raw.get("torch_dtype")),
+            unshifted=bool(eagle.get("unshifted", False)),
+            bootstrap_hidden=eagle.get("bootstrap_hidden"),
+            kv_sharing_target_layers=eagle.get("kv_sharing_target_layers"),
             hf_config=hf_config,
             **flags,
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` object (the SGLang / SpecForge layout: EAGLE3 keys in ``eagle_config``);
+        :meth:`from_dict` reads it back to an equal config."""
+        eagle: dict[str, Any] = {
+            "eagle_aux_hidden_state_layer_ids": None if self.aux_layer_ids is None else list(self.aux_layer_ids),
+            "use_aux_hidden_state": True,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+        }
+        if eagle["eagle_aux_hidden_state_layer_ids"] is None:
+            del eagle["eagle_aux_hidden_state_layer_ids"]
+        for name in ("norm_before_residual", "norm_before_fc"):
+            if getattr(self, name):
+                eagle[name] = True
+        if self.unshifted:
+            eagle["unshifted"] = True
+        for name in ("bootstrap_hidden", "kv_sharing_target_layers"):
+            if getattr(self, name) is not None:
+                eagle[name] = getattr(self, name)
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": "deepseek_v3" if self.attention == "mla" else "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "eagle_config": eagle,
+        }
+        optional = {
+            "target_hidden_size": self.target_hidden_size,
+            "rope_parameters": self.rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.dtype,
+        }
+        out.update({k: v for k, v in optional.items() if v is not None})
+        if self.attention == "mla":
+            out.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                       qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                       v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
+        else:
+            out.update(head_dim=self.head_dim, mlp_bias=self.mlp_bias)
+        return out
 
     # ----- derived -----
     @property
@@ -213,7 +290,7 @@ class Eagle3DraftConfig:
             ids = default_aux_layer_ids(target_num_layers)
             if len(set(ids)) != len(ids) or min(ids) < 0 or list(ids) != sorted(ids):
                 raise ValueError(
-                    f"the target has {target_num_layers} layers, so EAGLE3's default aux layer ids "
+                    f"the target has {target_num_layers} layers, so EAGLE3's default aux ids "
                     f"(2, L//2, L-3) = {ids} collide or run backwards; set "
                     "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config"
                 )
@@ -222,7 +299,7 @@ class Eagle3DraftConfig:
         if bad:
             raise ValueError(
                 f"draft aux layer ids {list(self.aux_layer_ids)} name layers {bad} but the target has "
-                f"{target_num_layers} layers; ids are capture-before (id i = input of layer i), valid "
+                f"{target_num_layers} layers; ids are capture-before (id i = input of layer i), each within "
                 f"0..{target_num_layers - 1}"
             )
         return self.aux_layer_ids

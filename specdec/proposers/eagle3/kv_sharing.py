@@ -71,20 +71,40 @@ def describe_layout(layout: tuple | None) -> str:
     return f"an MLA latent of kv_lora_rank {layout[1]} + rope {layout[2]}"
 
 
-def target_layer_slots(target) -> list[tuple[str, int]]:
-    """``(pool name, layer index in that pool)`` of each target decoder layer, as ``kv_pools`` bound them."""
-    try:
-        layers = list(target.model.layers)
-        slots = [(layer.self_attn.pool, int(layer.self_attn.layer_idx)) for layer in layers]
-    except AttributeError:
-        slots = None
-    if not slots or any(pool is None for pool, _ in slots):
+def choose_shared_layer(
+    layouts: Sequence[tuple | None], want: tuple, *, requested: int | None = None, declared: int | None = None
+) -> int:
+    """The rule for which target layer a KV-sharing draft reads, for serving and training alike.
+
+    ``layouts[i]`` is target layer ``i``'s KV layout (:func:`pool_layout`'s terms), ``want`` the draft's.
+    The layer is ``requested`` (the speculative config's ``kv_sharing_target_layer``), else ``declared``
+    (the draft config's, what it was trained with), else the last layer whose layout matches. Raises
+    ValueError naming the layouts when the chosen layer's differs, or when none matches.
+    """
+    chosen, source = requested, "kv_sharing_target_layer"
+    if chosen is None:
+        chosen, source = declared, "the draft config's eagle_config.kv_sharing_target_layers"
+    matching = [i for i, layout in enumerate(layouts) if layout == want]
+    if chosen is None:
+        if not matching:
+            found = sorted({describe_layout(layout) for layout in layouts})
+            raise ValueError(
+                f"KV sharing: no target layer holds KV the draft can read: the draft's layer has "
+                f"{describe_layout(want)}, the target's layers have {'; '.join(found)}; set kv_sharing=false"
+            )
+        return matching[-1]
+    if not 0 <= chosen < len(layouts):
         raise ValueError(
-            f"KV sharing needs to know which pool layer holds each target layer's KV, and the target "
-            f"({type(target).__name__}) does not say (model.layers[i].self_attn.pool / layer_idx, bound by "
-            "kv_pools); set kv_sharing=false"
+            f"KV sharing: {source} is {chosen} but the target has layers 0..{len(layouts) - 1}; pick one of those"
         )
-    return slots
+    if layouts[chosen] != want:
+        hint = (f"layers with the draft's layout: {matching}" if matching
+                else "no target layer has it; set kv_sharing=false")
+        raise ValueError(
+            f"KV sharing: target layer {chosen} ({source}) keeps {describe_layout(layouts[chosen])}, but the "
+            f"draft's layer has {describe_layout(want)}; the KV layouts must match ({hint})"
+        )
+    return chosen
 
 
 def resolve_shared_layer(
@@ -95,38 +115,11 @@ def resolve_shared_layer(
     requested: int | None = None,
     declared: int | None = None,
 ) -> SharedLayer:
-    """The target layer the draft's layer 0 reads: ``requested`` (the speculative config's
-    ``kv_sharing_target_layer``), else ``declared`` (the draft config's, what it was trained with),
-    else the last target layer whose KV layout matches the draft's. Raises ValueError naming the
-    layouts when the chosen layer's differs, or when none matches."""
-    slots = target_layer_slots(target)
+    """The target layer (and its pool layer) the draft's layer 0 reads, by :func:`choose_shared_layer`."""
+    slots = target.kv_layer_slots()
     pools = {p.name: p for p in target_pools}
     layouts = [pool_layout(pools[name]) if name in pools else None for name, _ in slots]
-    want = draft_layout(draft)
-    chosen, source = requested, "kv_sharing_target_layer"
-    if chosen is None:
-        chosen, source = declared, "the draft config's eagle_config.kv_sharing_target_layers"
-    if chosen is None:
-        matching = [i for i, layout in enumerate(layouts) if layout == want]
-        if not matching:
-            found = sorted({describe_layout(layout) for layout in layouts})
-            raise ValueError(
-                f"KV sharing: no target layer holds KV the draft can read: the draft's layer has "
-                f"{describe_layout(want)}, the target's layers have {'; '.join(found)}; set kv_sharing=false"
-            )
-        chosen = matching[-1]
-    elif not 0 <= chosen < len(slots):
-        raise ValueError(
-            f"KV sharing: {source} is {chosen} but the target has layers 0..{len(slots) - 1}; pick one of those"
-        )
-    elif layouts[chosen] != want:
-        matching = [i for i, layout in enumerate(layouts) if layout == want]
-        hint = (f"layers with the draft's layout: {matching}" if matching
-                else "no target layer has it; set kv_sharing=false")
-        raise ValueError(
-            f"KV sharing: target layer {chosen} ({source}) keeps {describe_layout(layouts[chosen])}, but the "
-            f"draft's layer has {describe_layout(want)}; the layouts must match ({hint})"
-        )
+    chosen = choose_shared_layer(layouts, draft_layout(draft), requested=requested, declared=declared)
     pool, pool_layer = slots[chosen]
     return SharedLayer(draft_layer=0, target_layer=chosen, pool=pool, pool_layer=pool_layer)
 

@@ -31,7 +31,7 @@ def random_pair(root: Path) -> tuple[str, str]:
     """A random Llama (hidden 256, 4 layers, one kv head of 64) and an untrained unshifted draft for it."""
     from bench_decode import small_llama  # the script's folder is on sys.path
 
-    from specdec.train.eagle3 import (
+    from specdec.train.draft import (
         DraftPreset,
         HFTarget,
         build_draft,

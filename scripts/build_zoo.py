@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specdec.train.corpus import CorpusConfig, load_documents
-from specdec.train.eagle3 import DraftTrainConfig, train_draft
+from specdec.train.draft import DraftTrainConfig, train_draft
 from specdec.train.target import TargetTrainConfig, train_target
 from specdec.train.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
 from specdec.zoo import ASSETS, BUDGET_BYTES, ZOO_DIR

@@ -52,7 +52,7 @@ def _cmd_target(args) -> int:
 
 
 def _cmd_draft(args) -> int:
-    from specdec.train.eagle3 import DraftTrainConfig, train_draft
+    from specdec.train.draft import DraftTrainConfig, train_draft
 
     config = DraftTrainConfig(
         preset=args.preset,
@@ -77,7 +77,7 @@ def _cmd_draft(args) -> int:
 
 
 def _cmd_measure_draft(args) -> int:
-    from specdec.train.eagle3 import get_draft_preset, measure_draft_throughput
+    from specdec.train.draft import get_draft_preset, measure_draft_throughput
 
     for name in args.preset:
         preset = get_draft_preset(name)
@@ -109,7 +109,7 @@ def _cmd_measure(args) -> int:
 def _cmd_presets(args) -> int:
     from specdec.train.presets import PRESETS
 
-    from specdec.train.eagle3 import DRAFT_PRESETS
+    from specdec.train.draft import DRAFT_PRESETS
 
     for name, preset in PRESETS.items():
         print(f"{name:28s} {preset.model_type:20s} steps {preset.steps:5d} (quick {preset.quick_steps:4d})  "

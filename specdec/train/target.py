@@ -8,7 +8,6 @@ project's CPUs); a fixed seed and thread count give the same weights run after r
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
@@ -19,9 +18,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specdec.train.balance import RouterBalancer
-from specdec.train.corpus import CorpusConfig, corpus_fingerprint, load_documents
-from specdec.train.data import WindowBatches, spread_windows, tokenize_documents, windows
+from specdec.train.corpus import corpus_fingerprint, load_documents
+from specdec.train.data import (
+    WindowBatches,
+    spread_windows,
+    tokenize_documents,
+    windows,
+)
 from specdec.train.presets import TargetPreset, get_preset
+from specdec.train.run import RunOptions, write_training_record
 from specdec.train.schedule import adamw, cosine_lr, set_lr
 from specdec.train.tokenizer import (
     TokenizerConfig,
@@ -35,36 +40,19 @@ def _preset(value: TargetPreset | str) -> TargetPreset:
     return get_preset(value) if isinstance(value, str) else value
 
 
-@attrs.frozen
-class TargetTrainConfig:
+@attrs.frozen(kw_only=True)
+class TargetTrainConfig(RunOptions):
     """One target training run."""
 
     preset: TargetPreset = attrs.field(converter=_preset)
     output_dir: str = attrs.field(converter=str)
     tokenizer_dir: str | None = None  # None: train a tokenizer on the corpus and save it with the model
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
-    quick: bool = False  # use the preset's quick_steps (about a tenth of the full run)
-    seed: int = 0
     eval_every: int = attrs.field(default=200, validator=attrs.validators.ge(1))
     eval_windows: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
-    autocast: bool = True  # bf16 autocast; False trains in plain fp32
     # torch.compile the training forward (inductor; needs a C++ compiler): about 1.5x faster on
     # the zoo presets after a compile of a minute or two. Evaluation runs the eager model.
     compile: bool = False
-    progress: bool = True
-    corpus: CorpusConfig = attrs.field(factory=CorpusConfig)
     tokenizer: TokenizerConfig = attrs.field(factory=TokenizerConfig)
-
-    def __attrs_post_init__(self) -> None:
-        if self.steps is not None and self.quick:
-            raise ValueError("give either steps or quick, not both: quick means the preset's quick_steps")
-
-    @property
-    def total_steps(self) -> int:
-        if self.steps is not None:
-            return self.steps
-        return self.preset.quick_steps if self.quick else self.preset.steps
 
 
 @attrs.frozen
@@ -212,16 +200,8 @@ def save_checkpoint(model, tokenizer, folder: str | Path, metadata: dict | None 
     model.save_pretrained(str(folder), max_shard_size=MAX_SHARD_SIZE)
     save_tokenizer(tokenizer, folder)
     if metadata is not None:
-        (folder / "training.json").write_text(json.dumps(_jsonable(metadata), indent=2) + "\n")
+        write_training_record(folder, metadata)
     return folder
-
-
-def _jsonable(value):
-    if isinstance(value, dict) or type(value).__name__ == "mappingproxy":
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def measure_throughput(preset: TargetPreset | str, steps: int = 3, threads: int | None = None,

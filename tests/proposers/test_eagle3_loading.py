@@ -145,6 +145,18 @@ def test_config_spellings(tmp_path):
     assert mla.attention == "mla" and mla.q_lora_rank is None and mla.rope_interleave
 
 
+@pytest.mark.parametrize("name", ["kimi-k2-tiny-eagle3", "kimi-k2-tiny-eagle3.1-mla", "llama-tiny-eagle3",
+                                  "llama-tiny-eagle3-unshifted", "minimax-m3-tiny-eagle3"])
+def test_config_writes_what_it_reads(name):
+    """Training saves drafts through to_dict: every zoo draft's config.json is what to_dict writes, byte for byte."""
+    from specdec.zoo import zoo_path
+
+    text = (zoo_path(name) / "config.json").read_text()
+    config = Eagle3DraftConfig.from_dict(json.loads(text))
+    assert json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n" == text
+    assert Eagle3DraftConfig.from_dict(config.to_dict()) == config
+
+
 def test_dtype_and_device_default_to_the_target(llama_folder, tmp_path):
     target32 = load_model(llama_folder, dtype="float32")
     draft = load(tmp_path, DraftSpec(draft_vocab=40), target32)

@@ -14,7 +14,7 @@ from specdec.cache import PagedKVCache
 from specdec.runtime.model_runner import Chunk, ModelRunner
 from specdec.models import load_model
 from specdec.proposers.eagle3 import load_eagle3_draft
-from specdec.train.eagle3 import (
+from specdec.train.draft import (
     DraftPreset,
     DraftTrainConfig,
     HFTarget,
@@ -102,7 +102,7 @@ def test_training_time_test_equals_serving_step_by_step(tmp_path, target_preset,
     aux_ids = resolve_aux_layer_ids(preset, target)
     kv_layer = None
     if preset.kv_sharing:
-        kv_layer = resolve_kv_sharing_layer(preset, target, *target.layer_kv_layout()[0])
+        kv_layer = resolve_kv_sharing_layer(preset, target, *target.layer_kv_layouts()[0][1:3])
         assert kv_layer == target.num_layers - 1  # the last matching layer by default
     config = draft_config_dict(preset, target, vocab, aux_ids, kv_layer)
     draft = build_draft(config, aux_ids, target, vocab, preset.own_lm_head, seed=0).double()
@@ -133,7 +133,7 @@ def test_training_time_test_equals_serving_step_by_step(tmp_path, target_preset,
 
 
 def test_greedy_replay_moves_like_the_engine():
-    from specdec.train.eagle3 import replay_greedy_acceptance
+    from specdec.train.draft import replay_greedy_acceptance
 
     # One window, shifted (offset 1), k = 2. hits[j][0, p]: step j from anchor p is right.
     step0 = torch.tensor([[1, 0, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool)

@@ -160,7 +160,7 @@ def test_cli_lists_presets_and_reports_errors(capsys, tmp_path):
 
 
 def test_throughput_measurement_runs_on_a_test_preset():
-    from specdec.train.eagle3 import measure_draft_throughput
+    from specdec.train.draft import measure_draft_throughput
     from specdec.train.target import measure_throughput
 
     target = measure_throughput("test-llama", steps=1, vocab_size=256)

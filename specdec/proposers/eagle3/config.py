@@ -281,28 +281,35 @@ class Eagle3DraftConfig:
         return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
 
     def resolve_aux_layer_ids(self, target_num_layers: int) -> tuple[int, ...]:
-        """The target layers to capture (capture-before, ascending), checked against the target's depth.
+        """The target layers to capture, checked against the target's depth (:func:`resolve_aux_layer_ids`)."""
+        return resolve_aux_layer_ids(self.aux_layer_ids, target_num_layers)
 
-        Id ``L`` (the last layer's output) is refused: transformers' ``hidden_states[L]`` is post-norm
-        while vLLM reads it as pre-norm, so a draft trained on either cannot be served unambiguously.
-        """
-        if self.aux_layer_ids is None:
-            ids = default_aux_layer_ids(target_num_layers)
-            if len(set(ids)) != len(ids) or min(ids) < 0 or list(ids) != sorted(ids):
-                raise ValueError(
-                    f"the target has {target_num_layers} layers, so EAGLE3's default aux ids "
-                    f"(2, L//2, L-3) = {ids} collide or run backwards; set "
-                    "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config"
-                )
-            return tuple(ids)
-        bad = [i for i in self.aux_layer_ids if i >= target_num_layers]
-        if bad:
+
+def resolve_aux_layer_ids(aux_layer_ids: tuple[int, ...] | None, target_num_layers: int) -> tuple[int, ...]:
+    """The target layers a draft captures (capture-before, ascending): the given ids, checked against the
+    target's depth, or EAGLE3's default ``(2, L // 2, L - 3)`` when none are given.
+
+    Id ``L`` (the last layer's output) is refused: transformers' ``hidden_states[L]`` is post-norm
+    while vLLM reads it as pre-norm, so a draft trained on either cannot be served unambiguously.
+    Serving and training both apply this rule, so a trained draft reads what it was trained on.
+    """
+    if aux_layer_ids is None:
+        ids = default_aux_layer_ids(target_num_layers)
+        if len(set(ids)) != len(ids) or min(ids) < 0 or list(ids) != sorted(ids):
             raise ValueError(
-                f"draft aux layer ids {list(self.aux_layer_ids)} name layers {bad} but the target has "
-                f"{target_num_layers} layers; ids are capture-before (id i = input of layer i), each within "
-                f"0..{target_num_layers - 1}"
+                f"the target has {target_num_layers} layers, so EAGLE3's default aux ids "
+                f"(2, L//2, L-3) = {ids} collide or run backwards; set "
+                "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config"
             )
-        return self.aux_layer_ids
+        return tuple(ids)
+    bad = [i for i in aux_layer_ids if i >= target_num_layers]
+    if bad:
+        raise ValueError(
+            f"draft aux layer ids {list(aux_layer_ids)} name layers {bad} but the target has "
+            f"{target_num_layers} layers; ids are capture-before (id i = input of layer i), each within "
+            f"0..{target_num_layers - 1}"
+        )
+    return tuple(aux_layer_ids)
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:

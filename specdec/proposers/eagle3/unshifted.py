@@ -10,7 +10,7 @@ hidden states, d2t, sampled q) is :class:`~specdec.proposers.eagle3.proposer.Eag
 its ``position_offset`` set to 1.
 
 Bootstrap hidden: a zero vector in the fused (post-``fc``) space. It is what this project's trainer
-feeds at position 0 (``specdec/train/eagle3.py``) and the only spelling drafts declare
+feeds at position 0 (``specdec/train/draft/loss.py``) and the only spelling drafts declare
 (``eagle_config.bootstrap_hidden: "zeros"``); no published checkpoint ships a learned one. Zero
 also makes the row's hidden half vanish after ``hidden_norm``, so position 0 is driven by its token
 alone. Any other declared value is refused rather than guessed. With KV sharing position 0 is a

@@ -82,8 +82,17 @@ def wrap_tokenizer(tok: Tokenizer, model_max_length: int = 4096) -> PreTrainedTo
     )
 
 
+# A plain role-prefixed transcript: the zoo's models are trained on source text, not dialogue, so any
+# template is as good as another; this one lets /v1/chat/completions and lm_eval's chat mode run.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> Path:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` (and the special-tokens map) into ``folder``."""
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` (with :data:`CHAT_TEMPLATE` unless the tokenizer
+    has its own) into ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(folder))
@@ -92,6 +101,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> Pa
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.setdefault("chat_template", CHAT_TEMPLATE)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from conftest import free_port
+from live_server import free_port
 from specdec.cli import main
 
 
-def test_bench_over_http_with_a_baseline_server(plain_server, spec_server, chat_llama, capsys):
-    common = ["bench", "--model", chat_llama, "--num-prompts", "5", "--input-len", "12", "--output-len", "10",
+def test_bench_over_http_with_a_baseline_server(plain_server, spec_server, llama, capsys):
+    common = ["bench", "--model", llama, "--num-prompts", "5", "--input-len", "12", "--output-len", "10",
               "--concurrency", "2", "--base-url", spec_server.base]
     before = spec_server.metrics()
     assert main([*common, "--baseline-url", plain_server.base, "--json"]) == 0
@@ -39,9 +39,9 @@ def test_bench_over_http_with_a_baseline_server(plain_server, spec_server, chat_
     (["--base-url", "http://127.0.0.1:{port}"], "no specdec server answers"),
     (["--baseline-url", "http://127.0.0.1:{port}"], "needs base_url"),
 ])
-def test_over_http_errors_are_one_line(extra, needle, chat_llama, capsys):
+def test_over_http_errors_are_one_line(extra, needle, llama, capsys):
     port = free_port()
-    argv = ["bench", "--model", chat_llama, "--num-prompts", "1", *[a.format(port=port) for a in extra]]
+    argv = ["bench", "--model", llama, "--num-prompts", "1", *[a.format(port=port) for a in extra]]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MEMORY, LiveServer, eagle3_spec, start_cli_server
+from live_server import MEMORY, LiveServer, eagle3_spec, start_cli_server
 from specdec.proposers import register_proposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.zoo import zoo_path
@@ -86,8 +86,8 @@ def test_past_the_request_limit_is_503_never_a_hang():
 
 
 
-def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(chat_llama):
-    with LiveServer(chat_llama, "--kv-cache-memory", MEMORY, "--speculative-config", eagle3_spec()) as server:
+def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(llama):
+    with LiveServer(llama, "--kv-cache-memory", MEMORY, "--speculative-config", eagle3_spec()) as server:
         engine = server.server.llm.engine
         with httpx.stream("POST", f"{server.base}/v1/completions", json={**LONG, "stream": True}) as response:
             lines = response.iter_lines()

@@ -8,12 +8,12 @@ from lm_eval_tasks import CHOICE, GENERATE, lm_eval, write_tasks
 
 
 def test_lm_eval_scores_and_samples_are_identical_with_and_without_speculation(
-        plain_server, spec_server, chat_llama, tmp_path):
+        plain_server, spec_server, llama, tmp_path):
     tasks = write_tasks(tmp_path)
     runs = {}
     for label, server in (("plain", plain_server), ("spec", spec_server)):
         (tmp_path / label).mkdir()
-        runs[label] = lm_eval(chat_llama, server.base, tasks, tmp_path, tmp_path / label / "out")
+        runs[label] = lm_eval(llama, server.base, tasks, tmp_path, tmp_path / label / "out")
     (plain_results, plain_samples), (spec_results, spec_samples) = runs["plain"], runs["spec"]
     for task in tasks:
         assert plain_results["results"][task] == spec_results["results"][task]

@@ -22,8 +22,8 @@ CLIENTS = 128
 
 
 @pytest.fixture(scope="module")
-def expected(chat_llama):
-    llm = LLM(chat_llama, dtype="float64", kv_cache_memory=64 << 20)
+def expected(llama):
+    llm = LLM(llama, dtype="float64", kv_cache_memory=64 << 20)
     return [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
 
 

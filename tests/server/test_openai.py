@@ -14,8 +14,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(chat_llama):
-    llm = LLM(chat_llama, dtype="float64", kv_cache_memory=64 << 20)
+def reference(llama):
+    llm = LLM(llama, dtype="float64", kv_cache_memory=64 << 20)
     return llm, llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
 
 

@@ -10,7 +10,7 @@ import signal
 import httpx
 import pytest
 
-from conftest import start_cli_server
+from live_server import start_cli_server
 from lm_eval_tasks import lm_eval, write_tasks
 from specdec.zoo import zoo_path
 

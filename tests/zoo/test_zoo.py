@@ -44,6 +44,19 @@ def test_manifest_matches_the_files(name):
         assert _sha256(path) == recorded["sha256"], f"{name}/{file_name} does not match manifest.json"
 
 
+@pytest.mark.parametrize("name", [n for n in BUILT if ASSETS[n][0] == "target"])
+def test_every_target_tokenizer_has_a_chat_template(name):
+    """The server's /v1/chat/completions renders conversations through it."""
+    from specdec.train.tokenizer import BOS_ID, load_tokenizer
+    from specdec.zoo import zoo_path
+
+    tokenizer = load_tokenizer(zoo_path(name))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "def f():"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    text = tokenizer.decode(ids)
+    assert ids[0] == BOS_ID and text.startswith("<s>user: def f():") and text.endswith("<s>assistant:")
+
+
 def test_the_zoo_fits_its_budget():
     total = sum(MANIFEST["assets"][name]["bytes"] for name in BUILT)
     assert total == MANIFEST["total_bytes"] and total < BUDGET_BYTES

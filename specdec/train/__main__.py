@@ -99,7 +99,7 @@ def _cmd_measure(args) -> int:
     from specdec.train.presets import PRESETS
     from specdec.train.target import measure_throughput
 
-    names = args.preset or [n for n in PRESETS if not n.startswith("test-")]
+    names = args.preset or list(PRESETS)
     for name in names:
         result = measure_throughput(name, steps=args.steps, threads=args.threads, compile=args.compile)
         print(json.dumps(result), flush=True)

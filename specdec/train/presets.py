@@ -1,4 +1,4 @@
-"""Named model + training presets for the zoo targets (and tiny ones for tests).
+"""Named model + training presets for the zoo targets (tests register tiny ones of their own).
 
 Each preset is a transformers config (built from a plain dict, so the checkpoint is an ordinary
 folder that transformers and specdec's loader both read) plus the training schedule. Sizes were
@@ -87,9 +87,10 @@ def _rope(theta: float, partial: float | None = None) -> dict:
     return rope
 
 
-def _minimax_m3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int,
+def minimax_m3_config(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int,
                 dense_inter: int, expert_inter: int, experts: int, top_k: int, dense_layers: int,
                 topk_blocks: int) -> dict:
+    """A MiniMax-M3 text config (block-sparse attention, MoE) of the given sizes."""
     # MiniMax-M3's shape: first layers dense, the rest MoE with a shared expert; layer 0 full
     # attention and the rest block-sparse (128-token blocks, as the real model and its KV pages).
     return dict(
@@ -118,8 +119,9 @@ def _minimax_m3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: i
     )
 
 
-def _kimi_k2(hidden: int, layers: int, heads: int, q_lora: int | None, kv_lora: int, nope: int, rope: int,
+def kimi_k2_config(hidden: int, layers: int, heads: int, q_lora: int | None, kv_lora: int, nope: int, rope: int,
              v_dim: int, dense_inter: int, expert_inter: int, experts: int, top_k: int) -> dict:
+    """A Kimi-K2 (DeepSeek-V3: MLA, MoE) config of the given sizes."""
     # Kimi-K2's shape: MLA, first layer dense, sigmoid-routed experts (one group) + 1 shared expert,
     # routed scaling 2.827; no MTP layer (the bundled drafts are EAGLE heads instead).
     return dict(
@@ -150,7 +152,8 @@ def _kimi_k2(hidden: int, layers: int, heads: int, q_lora: int | None, kv_lora: 
     )
 
 
-def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tied: bool) -> dict:
+def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tied: bool) -> dict:
+    """A Llama config (GQA, RoPE) of the given sizes."""
     return dict(
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -167,57 +170,44 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tied
 PRESETS: dict[str, TargetPreset] = {}
 
 
-def _register(preset: TargetPreset) -> TargetPreset:
+def register_preset(preset: TargetPreset) -> TargetPreset:
+    """Make ``preset`` selectable by its name (``python -m specdec.train target --preset NAME``)."""
     PRESETS[preset.name] = preset
     return preset
 
 
-_register(TargetPreset(
+register_preset(TargetPreset(
     name="minimax-m3-tiny",
     model_type="minimax_m3_vl_text",
-    config=_minimax_m3(hidden=384, layers=6, heads=6, kv_heads=2, head_dim=64, rotary_dim=32,
+    config=minimax_m3_config(hidden=384, layers=6, heads=6, kv_heads=2, head_dim=64, rotary_dim=32,
                        dense_inter=1024, expert_inter=256, experts=4, top_k=2, dense_layers=1, topk_blocks=8),
     seq_len=512, batch_size=8, steps=1600, quick_steps=160, lr=2e-3,
     description="MiniMax-M3-shaped target (14.4M params): block-sparse layers over 128-token pages "
     "(8 blocks attended, so prompts up to 1024 tokens see everything), MoE 4 experts top-2 + shared",
 ))
-_register(TargetPreset(
+register_preset(TargetPreset(
     name="kimi-k2-tiny",
     model_type="deepseek_v3",
-    config=_kimi_k2(hidden=256, layers=4, heads=4, q_lora=96, kv_lora=64, nope=32, rope=16, v_dim=32,
+    config=kimi_k2_config(hidden=256, layers=4, heads=4, q_lora=96, kv_lora=64, nope=32, rope=16, v_dim=32,
                     dense_inter=512, expert_inter=96, experts=8, top_k=2),
     seq_len=512, batch_size=8, steps=600, quick_steps=60, lr=2e-3,
     description="Kimi-K2-shaped deepseek_v3 target: MLA (q_lora 96, kv_lora 64, rope 16), first layer "
     "dense, 8 sigmoid-routed experts top-2 + 1 shared",
 ))
-_register(TargetPreset(
+register_preset(TargetPreset(
     name="llama-tiny",
     model_type="llama",
-    config=_llama(hidden=256, layers=4, heads=4, kv_heads=2, inter=512, tied=True),
+    config=llama_config(hidden=256, layers=4, heads=4, kv_heads=2, inter=512, tied=True),
     seq_len=512, batch_size=8, steps=1200, quick_steps=120, lr=2e-3,
     description="Llama-shaped target with GQA and tied embeddings",
 ))
-_register(TargetPreset(
+register_preset(TargetPreset(
     name="draft-model-tiny",
     model_type="llama",
-    config=_llama(hidden=128, layers=2, heads=2, kv_heads=1, inter=384, tied=True),
+    config=llama_config(hidden=128, layers=2, heads=2, kv_heads=1, inter=384, tied=True),
     seq_len=512, batch_size=8, steps=1200, quick_steps=120, lr=3e-3,
     description="Independent small LM for the draft_model proposer (same tokenizer as the targets)",
 ))
-
-# Tiny presets for tests: seconds, not minutes.
-for _name, _type, _cfg in (
-    ("test-llama", "llama", _llama(hidden=32, layers=2, heads=2, kv_heads=1, inter=64, tied=False)),
-    ("test-kimi-k2", "deepseek_v3", _kimi_k2(hidden=32, layers=2, heads=2, q_lora=16, kv_lora=16, nope=8,
-                                             rope=8, v_dim=8, dense_inter=64, expert_inter=16, experts=4,
-                                             top_k=2)),
-    ("test-minimax-m3", "minimax_m3_vl_text", _minimax_m3(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16,
-                                                         rotary_dim=8, dense_inter=64, expert_inter=16,
-                                                         experts=4, top_k=2, dense_layers=1, topk_blocks=2)),
-):
-    _register(TargetPreset(name=_name, model_type=_type, config=_cfg, seq_len=32, batch_size=4, steps=30,
-                           quick_steps=10, lr=1e-2, warmup_steps=3, description="test-sized"))
-
 
 def get_preset(name: str) -> TargetPreset:
     """The preset called ``name``, with the list of choices when there is none."""

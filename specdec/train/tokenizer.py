@@ -101,6 +101,12 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> Pa
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # transformers 5 writes a tokenizer's template to chat_template.jinja; keep it in the config, where
+    # every version (and the zoo's manifest) expects it.
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        config["chat_template"] = jinja.read_text()
+        jinja.unlink()
     config.setdefault("chat_template", CHAT_TEMPLATE)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from specdec.train.corpus import load_documents
 from specdec.train.tokenizer import (
     BOS_ID,
+    CHAT_TEMPLATE,
     EOS_ID,
     PAD_ID,
     TokenizerConfig,
@@ -34,6 +35,13 @@ def test_saved_tokenizer_loads_with_autotokenizer_and_round_trips(small_tokenize
         assert ids[0] == BOS_ID  # a prompt looks like the start of a training document
         assert tok.decode(ids, skip_special_tokens=True) == text
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_the_chat_template_is_kept_in_the_config_through_a_resave(small_tokenizer_dir, tmp_path):
+    """A saved tokenizer carries CHAT_TEMPLATE in tokenizer_config.json; saving a loaded one keeps it there."""
+    save_tokenizer(load_tokenizer(small_tokenizer_dir), tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE and not (tmp_path / "chat_template.jinja").exists()
 
 
 def test_bpe_merges_compress_code(small_tokenizer_dir):

@@ -141,11 +141,3 @@ register_draft_preset(DraftPreset(
     generated_windows=512,
     description="Unshifted EAGLE3 head for llama-tiny that reads the last target layer's KV at prompt positions",
 ))
-for _name, _kw in (
-    ("test-eagle3", dict(attention="mha", draft_vocab_size=200, own_lm_head=True)),
-    ("test-eagle3.1-mla", dict(attention="mla", eagle31=True, draft_vocab_size=300)),
-    ("test-eagle3-unshifted", dict(attention="mha", unshifted=True, kv_sharing=True)),
-):
-    register_draft_preset(DraftPreset(name=_name, intermediate_size=64, aux_layer_ids=(0, 1), ttt_steps=3, seq_len=32,
-                          batch_size=4, steps=30, quick_steps=10, lr=5e-3, warmup_steps=3, description="test-sized",
-                          **_kw))

@@ -13,6 +13,7 @@ from specdec.train.tokenizer import (
     PAD_ID,
     TokenizerConfig,
     load_tokenizer,
+    save_tokenizer,
     train_tokenizer,
 )
 

@@ -79,15 +79,8 @@ def create_app(server) -> FastAPI:
         return JSONResponse(error_body(f"{param}: {message}" if param else message, 400, param=param),
                             status_code=400)
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        key = server.args.api_key
-        if key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return JSONResponse(error_body("missing or wrong API key (Authorization: Bearer KEY)", 401),
-                                    status_code=401)
-        return await call_next(request)
+    if server.args.api_key:
+        app.add_middleware(_RequireAPIKey, key=server.args.api_key)
 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
@@ -98,6 +91,28 @@ def create_app(server) -> FastAPI:
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     return app
+
+
+class _RequireAPIKey:
+    """401 for a ``/v1`` request without ``Authorization: Bearer KEY`` (compared in constant time).
+
+    A plain ASGI middleware: it looks at the request's headers only and passes everything else through
+    untouched (starlette's ``BaseHTTPMiddleware`` would re-stream every SSE chunk through a memory stream).
+    """
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(error_body("missing or wrong API key (Authorization: Bearer KEY)", 401),
+                                        status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Routes:

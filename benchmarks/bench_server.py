@@ -56,7 +56,7 @@ def start_server(port: int, threads: int, *argv: str) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=96)  # six waves at 16: ramp-up and -down weigh little
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=3)

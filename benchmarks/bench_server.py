@@ -1,10 +1,11 @@
 """The server against the in-process engine on one workload, with and without speculation.
 
-    python benchmarks/bench_server.py [--concurrency 16] [--repeats 3]
+    python benchmarks/bench_server.py [--concurrency 16] [--repeats 5]
 
 Every engine runs ``--threads`` compute threads (default 1, leaving the second core to the HTTP client
-that a served run needs and an in-process run does not). Starts two ``specdec serve`` processes on 127.0.0.1 (the zoo MiniMax-M3 target without and with its
-EAGLE3 draft, bf16) and builds the same two engines in this process. Then, repeat by repeat, it runs
+that a served run needs and an in-process run does not). Starts two ``specdec serve`` processes on
+127.0.0.1 (the zoo MiniMax-M3 target without and with its EAGLE3 draft, bf16; each steps its engine in
+an engine process of its own) and builds the same two engines in this process. Then, repeat by repeat, it runs
 the same requests through each in turn (in-process plain, HTTP plain, in-process spec, HTTP spec), so
 all four meet the same machine load, and prints:
 
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=96)  # six waves at 16: ramp-up and -down weigh little
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)  # the first is often an outlier
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="compute threads of every engine, in-process and served (default 1: the benchmark's "

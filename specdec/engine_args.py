@@ -40,8 +40,10 @@ def arg(
     flag: bool = True,
 ):
     """An option field: ``help`` (and ``metavar``) for its flag, ``parse`` turns the flag's text into the
-    value (default: the field's type, str); ``flag=False`` keeps it off the command line."""
-    metadata = {"help": help, "metavar": metavar, "parse": parse, "flag": flag}
+    value (default: the field's type, str); a bool default makes it ``--name`` / ``--no-name``;
+    ``flag=False`` keeps it off the command line."""
+    metadata = {"help": help, "metavar": metavar, "parse": parse, "flag": flag,
+                "boolean": isinstance(default, bool)}  # --name / --no-name
     return attrs.field(default=default, validator=validator, converter=converter, metadata=metadata)
 
 

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from specdec.server.async_engine import AsyncEngine, Overloaded
+from specdec.server.async_engine import AsyncEngine, Unavailable
 from specdec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -132,11 +132,10 @@ class _Routes:
 
     async def health(self):
         if not self.server.engine_alive():
-            return JSONResponse(error_body("the engine thread is not running", 503), status_code=503)
+            return JSONResponse(error_body("the engine is not running", 503), status_code=503)
         return Response(status_code=200)
 
     async def metrics(self):
-        self.server.metrics.observe_engine(self.server.llm.engine)
         return Response(self.server.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, body: TokenizeRequest):
@@ -253,7 +252,7 @@ class _Routes:
         try:
             for index, (prompt, params) in enumerate(jobs):
                 ids.append(await self.engine.submit(prompt, params, sink, index))
-        except Overloaded as err:
+        except Unavailable as err:
             self._abort(ids)
             raise APIError(503, str(err)) from None
         except ValueError as err:

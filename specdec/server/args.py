@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import attrs
 
 from specdec.engine_args import EngineArgs, add_cli_args, arg, cli_values, label_with_flag
-from specdec.validation import int_at_least, int_in_range, non_empty_str, one_of
+from specdec.validation import boolean, int_at_least, int_in_range, non_empty_str, one_of
 
 # vLLM flag -> (takes a value, what specdec does instead). A flag listed with its value applies to
 # that value only; any other value is refused (see _CHECKED_VALUES).
@@ -28,7 +28,7 @@ VLLM_ONLY: dict[str, tuple[bool, str]] = {
     "--compilation-config": (True, "models run eagerly; there is nothing to compile"),
     "--trust-remote-code": (False, "specdec runs its own implementation of each architecture; no remote code"),
     "--no-trust-remote-code": (False, "specdec runs its own implementation of each architecture; no remote code"),
-    "--async-scheduling": (False, "the engine steps in its own thread while the server handles requests"),
+    "--async-scheduling": (False, "the engine steps in its own process while the server handles requests"),
     "--enable-auto-tool-choice": (False, "tool calls are not parsed; messages are served as text"),
     "--tool-call-parser": (True, "tool calls are not parsed; messages are served as text"),
     "--reasoning-parser": (True, "reasoning is not separated from the answer; it is served as text"),
@@ -68,6 +68,10 @@ class ServerArgs(EngineArgs):
         help="add each response's own speculative figures to it (a request can also ask: spec_decode_metrics)")
     stats_interval: float = arg(5.0, metavar="S", parse=float,
                                 help="seconds between stats log lines while busy (default: 5)")
+    engine_process: bool = arg(True, validator=boolean(),
+                               help="step the engine in a process of its own, so HTTP work never holds its "
+                                    "interpreter lock (default); --no-engine-process steps it in a thread of "
+                                    "the server's process (to look inside it, or for proposers registered in code)")
 
     @classmethod
     def _field_label(cls, name: str) -> str:

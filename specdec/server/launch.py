@@ -20,22 +20,34 @@ log = logging.getLogger("specdec.server")
 
 
 class Server:
-    """Everything the routes need: the arguments, the ``LLM`` (engine and tokenizer), the engine
-    thread and the metrics."""
+    """Everything the routes need: the arguments, the tokenizer, the engine's front end and the metrics.
+
+    The engine runs in a process of its own unless ``args.engine_process`` is off; then ``llm`` is
+    the in-process ``LLM`` (None otherwise).
+    """
 
     def __init__(self, args: ServerArgs):
-        from specdec.llm import LLM
         from specdec.server.async_engine import AsyncEngine
         from specdec.server.metrics import ServerMetrics
+        from specdec.server.transport import EngineProcess, EngineThread
 
         self.args = args
-        self.llm = LLM.from_engine_args(args)  # a ServerArgs is an EngineArgs with the server's fields
-        self.tokenizer = self.llm.tokenizer
-        self.max_model_len = self.llm.max_model_len
-        self.num_speculative_tokens = self.llm.engine.num_speculative_tokens
+        self.llm = None
+        if args.engine_process:
+            from specdec.tokenizer import load_tokenizer
+
+            transport = EngineProcess(args)
+            self.tokenizer = load_tokenizer(args.model)
+        else:
+            from specdec.llm import LLM
+
+            self.llm = LLM.from_engine_args(args)  # a ServerArgs is an EngineArgs with the server's fields
+            transport = EngineThread(self.llm)
+            self.tokenizer = self.llm.tokenizer
+        self.max_model_len = transport.max_model_len
+        self.num_speculative_tokens = transport.num_speculative_tokens
         self.metrics = ServerMetrics(args.model_name, self.num_speculative_tokens, interval=args.stats_interval)
-        self.engine = AsyncEngine(self.llm.engine, self.tokenizer, self.metrics,
-                                  max_waiting_requests=args.max_waiting_requests)
+        self.engine = AsyncEngine(transport, self.metrics, max_waiting_requests=args.max_waiting_requests)
 
     def engine_alive(self) -> bool:
         return self.engine.alive()

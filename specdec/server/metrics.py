@@ -18,12 +18,14 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 
 from specdec.outputs import StepOutput
+from specdec.server.engine_core import EngineSnapshot
 
 log = logging.getLogger("specdec.server")
 
 
 class ServerMetrics:
-    """The ``/metrics`` registry, updated from the engine thread after every step."""
+    """The ``/metrics`` registry, updated after every step from what the engine reported (its
+    :class:`~specdec.outputs.StepOutput` and an :class:`~specdec.server.engine_core.EngineSnapshot`)."""
 
     def __init__(self, model_name: str, num_speculative_tokens: int, interval: float = 5.0):
         disable_created_metrics()  # vLLM exposes no *_created series; neither do we
@@ -58,7 +60,7 @@ class ServerMetrics:
         self._logged_at = self._last_step = time.monotonic()
         self._preemptions_seen = 0
 
-    def on_step(self, out: StepOutput, engine, seconds: float) -> None:
+    def on_step(self, out: StepOutput, snapshot: EngineSnapshot, seconds: float) -> None:
         now = time.monotonic()
         if now - self._last_step > self.interval:  # busy again after idling: a fresh window
             self._logged_at, self._window = now - seconds, _Window(len(self.accepted_per_pos))
@@ -75,31 +77,32 @@ class ServerMetrics:
             window.add(len(part.draft_token_ids), part.num_accepted)
             for i in range(part.num_accepted):
                 self.accepted_per_pos[i].inc()
-        self.preemptions.inc(engine.stats.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = engine.stats.num_preemptions
-        self.observe_engine(engine)
+        self.observe(snapshot)
         if now - self._logged_at >= self.interval:
-            self._log(now - self._logged_at, engine)
+            self._log(now - self._logged_at, snapshot)
             self._logged_at = now
             self._window = _Window(len(self.accepted_per_pos))
 
-    def observe_engine(self, engine) -> None:
-        """Set the gauges from the engine (also from the /metrics route: reads only)."""
-        self.running.set(len(engine.running_ids()))
-        self.waiting.set(engine.num_waiting())
-        self.kv_usage.set(engine.cache.usage())
+    def observe(self, snapshot: EngineSnapshot) -> None:
+        """Set the gauges (and the preemption counter) from the engine's latest figures."""
+        self.running.set(snapshot.running)
+        self.waiting.set(snapshot.waiting)
+        self.kv_usage.set(snapshot.kv_usage)
+        self.preemptions.inc(snapshot.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = snapshot.num_preemptions
 
-    def on_admitted(self, num_prompt_tokens: int) -> None:
+    def on_admitted(self, num_prompt_tokens: int, snapshot: EngineSnapshot) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.observe(snapshot)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def _log(self, seconds: float, engine) -> None:
+    def _log(self, seconds: float, snapshot: EngineSnapshot) -> None:
         w = self._window
         log.info("Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d reqs, "
-                 "KV cache usage: %.1f%%", w.generated / seconds, len(engine.running_ids()), engine.num_waiting(),
-                 100 * engine.cache.usage())
+                 "KV cache usage: %.1f%%", w.generated / seconds, snapshot.running, snapshot.waiting,
+                 100 * snapshot.kv_usage)
         if w.drafts:
             rates = ", ".join(f"{a / w.drafts:.3f}" for a in w.per_position)
             log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.1f tokens/s, "

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import attrs
 
 from specdec.outputs import TokenLogprob
-from specdec.server.async_engine import Delta
+from specdec.server.engine_core import Delta
 from specdec.spec_stats import SpecStats
 
 

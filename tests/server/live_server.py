@@ -43,9 +43,10 @@ def wait_healthy(base: str, timeout: float = 120.0, proc: subprocess.Popen | Non
 
 
 class LiveServer:
-    """``specdec serve`` arguments -> uvicorn serving them in a thread of this process."""
+    """``specdec serve`` arguments -> uvicorn serving them in a thread of this process, over an engine
+    process as ``specdec serve`` runs it, or (``in_thread``) an engine thread a test can look inside."""
 
-    def __init__(self, *argv: str):
+    def __init__(self, *argv: str, in_thread: bool = False):
         import uvicorn
 
         from specdec.cli import _Parser
@@ -55,7 +56,8 @@ class LiveServer:
 
         self.port = free_port()
         args, self.warnings = parse_server_args(build_parser(_Parser(prog="specdec serve")),
-                                                [*argv, "--port", str(self.port), "--stats-interval", "1"])
+                                                [*argv, "--port", str(self.port), "--stats-interval", "1",
+                                                 *(["--no-engine-process"] if in_thread else [])])
         self.server = Server(args)
         config = uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port, log_level="warning")
         self.uvicorn = uvicorn.Server(config)

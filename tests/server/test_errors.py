@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-
 from live_server import MEMORY, LiveServer, eagle3_spec, start_cli_server
 from specdec.proposers import register_proposer
 from specdec.proposers.ngram import NgramProposer
@@ -87,7 +89,8 @@ def test_past_the_request_limit_is_503_never_a_hang():
 
 
 def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(llama):
-    with LiveServer(llama, "--kv-cache-memory", MEMORY, "--speculative-config", eagle3_spec()) as server:
+    with LiveServer(llama, "--kv-cache-memory", MEMORY, "--speculative-config", eagle3_spec(),
+                    in_thread=True) as server:
         engine = server.server.llm.engine
         with httpx.stream("POST", f"{server.base}/v1/completions", json={**LONG, "stream": True}) as response:
             lines = response.iter_lines()
@@ -99,6 +102,21 @@ def test_a_client_that_disconnects_frees_its_pages_and_proposer_state(llama):
         server.settled()
         assert engine.proposer._states == {} and engine.cache.requests() == []
         assert server.server.engine.in_flight == 0
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_the_server_says_so(llama):
+    with LiveServer(llama, "--kv-cache-memory", MEMORY) as server:
+        url = f"{server.base}/v1/completions"
+        with httpx.stream("POST", url, json={**LONG, "stream": True}) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert "choices" in json.loads(next(lines)[len("data: "):])
+            os.kill(server.server.engine.transport.pid, signal.SIGKILL)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == 500 and "engine process exited" in error["message"]
+        assert httpx.get(f"{server.base}/health").status_code == 503
+        assert "engine process exited" in _error(httpx.post(url, json={**LONG, "max_tokens": 2}), 503)
 
 
 class _Faulty(NgramProposer):
@@ -113,7 +131,8 @@ class _Faulty(NgramProposer):
 def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on():
     register_proposer("faulty-test", _Faulty)
     with LiveServer(str(zoo_path("llama-tiny")), "--kv-cache-memory", MEMORY,
-                    "--speculative-config", "faulty-test:num_speculative_tokens=2,prompt_lookup_min=1") as server:
+                    "--speculative-config", "faulty-test:num_speculative_tokens=2,prompt_lookup_min=1",
+                    in_thread=True) as server:  # a proposer registered in code is known in this process only
         url = f"{server.base}/v1/completions"
         ok = {"prompt": [1, 5, 6, 5, 6, 5], "max_tokens": 8, "temperature": 0}
         message = _error(httpx.post(url, json={**ok, "prompt": [1, 4000, 5, 4000, 5]}), 500)
@@ -153,3 +172,12 @@ def test_sigterm_or_ctrl_c_lets_in_flight_requests_finish_and_exits_0(sig, strea
     assert result["tokens"] == 600 and result["done_at"] > signalled_at  # it finished after the signal
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=2)
+
+
+def test_an_engine_that_cannot_start_is_one_error_line_from_the_engine_process(llama):
+    spec = json.dumps({"method": "eagle3", "model": str(zoo_path("draft-model-tiny")), "num_speculative_tokens": 2})
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", llama, "--speculative-config", spec],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: EAGLE3 draft")
+    assert "is not an EAGLE3 draft" in done.stderr

@@ -11,6 +11,7 @@ import random
 
 import httpx
 import pytest
+from live_server import MEMORY, LiveServer, eagle3_spec
 
 from specdec import LLM, SamplingParams
 
@@ -52,6 +53,15 @@ async def _client(i: int, http: httpx.AsyncClient, url: str, rng: random.Random)
     return kind, prompt, pieces
 
 
+@pytest.fixture(scope="module", params=["engine process", "engine thread"])
+def spec_server(request, llama):
+    """The EAGLE3 server both ways the engine runs: in its own process (``specdec serve``'s default) and in
+    a thread, where the test also looks inside the engine."""
+    with LiveServer(llama, "--dtype", "float64", "--kv-cache-memory", MEMORY, "--speculative-config",
+                    eagle3_spec(), in_thread=request.param == "engine thread") as server:
+        yield server
+
+
 def test_128_concurrent_clients(spec_server, expected):
     url = f"{spec_server.base}/v1/completions"
 
@@ -74,7 +84,8 @@ def test_128_concurrent_clients(spec_server, expected):
             assert got[-1]["choices"][0]["finish_reason"] == "length"
     assert httpx.get(f"{spec_server.base}/health").status_code == 200
     before = spec_server.settled()
-    assert spec_server.server.llm.engine.proposer._states == {}
+    if spec_server.server.llm is not None:  # an engine thread: nothing of the proposer's is left either
+        assert spec_server.server.llm.engine.proposer._states == {}
     # A clean round (no hang-ups): the counters move by exactly the responses' own figures.
 
     async def clean():

@@ -34,8 +34,6 @@ from specdec.server.transport import EngineDied
 
 log = logging.getLogger("specdec.server")
 
-__all__ = ["AsyncEngine", "Delta", "Overloaded", "Unavailable"]
-
 
 class Unavailable(RuntimeError):
     """The server cannot take a request now: answered with 503."""
@@ -68,8 +66,7 @@ class AsyncEngine:
         self._live: dict[int, _Submission] = {}  # dispatch thread only
         self._in_flight = 0  # submitted, not yet finished (read by the event loop for the 503 limit)
         self._lock = threading.Lock()
-        self._dead: str | None = None
-        self.last_error: str | None = None
+        self._dead: str | None = None  # why the engine process ended, once it has
 
     # ----- event loop side -----
     def start(self) -> None:
@@ -138,7 +135,6 @@ class AsyncEngine:
                     self._finished_one()
             self.stats.observe(message.snapshot)
         elif isinstance(message, StepFailed):
-            self.last_error = message.message
             self.stats.step_errors.inc()
             log.error("engine step failed; failing the %d running requests: %s", len(message.deltas),
                       message.message)
@@ -162,7 +158,7 @@ class AsyncEngine:
 
     def _engine_died(self, message: str) -> None:
         """Fail everything in flight: nothing accepted is left without an answer."""
-        self._dead = self.last_error = message
+        self._dead = message
         log.error("%s; failing %d requests", message, len(self._live) + len(self._pending))
         for ticket in list(self._pending):
             submission = self._pending.pop(ticket, None)

@@ -216,5 +216,4 @@ def _delta(state: RequestState) -> Delta:
         finish_reason=state.finish_reason,
         num_prompt_tokens=len(state.prompt_token_ids),
         spec=state.spec if finished else None,
-        error=None,
     )

@@ -49,13 +49,17 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # oneDNN, and saves the per-call weight reorder.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 _PREPACK_ROWS = 4  # the layout is tuned for this many input rows; any count runs
+# oneDNN's bf16 GEMMs need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an AVX2-only CPU bf16 stays on F.linear.
+_PREPACK_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else (
+    torch.float32,
+)
 
 
 def onednn_prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight [out, in]`` in oneDNN's blocked layout for :func:`linear`, or None where prepacking does
     not apply (not on the CPU, not float32 or bfloat16, a torch without oneDNN). The copy is separate
     from ``weight``: prepack again after changing the weight."""
-    if not _ONEDNN or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    if not _ONEDNN or weight.device.type != "cpu" or weight.dtype not in _PREPACK_DTYPES:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PREPACK_ROWS)
 

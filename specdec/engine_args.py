@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from specdec.validation import int_at_least, is_int, non_empty_str, satisfies
+from specdec.validation import boolean, int_at_least, is_int, non_empty_str, satisfies
 
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
@@ -80,7 +80,9 @@ class EngineArgs:
       below one full-length request).
     - ``max_num_seqs``: requests running at once.
     - ``max_model_len``: prompt + output tokens per request; None = the config's ``max_position_embeddings``.
-    - ``max_num_batched_tokens``: query tokens per forward (prefill + decode + drafts); None = no limit.
+    - ``max_num_batched_tokens``: query tokens per forward (prefill + decode + drafts); a longer prefill
+      is split across steps (chunked prefill). None = no limit.
+    - ``enable_prefix_caching``: reuse the KV pages of identical prompt prefixes across requests.
     - ``seed``: seeds requests that have no ``SamplingParams.seed`` (reproducible runs).
     """
 
@@ -102,8 +104,11 @@ class EngineArgs:
     max_model_len: int | None = arg(None, validator=int_at_least(2, optional=True), metavar="N", parse=int,
                                     help="prompt + output tokens per request (default: the model's)")
     max_num_batched_tokens: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
-                                             help="query tokens per forward (a longer prefill still runs, alone "
-                                                  "with the decodes; default: no limit)")
+                                             help="query tokens per forward; a longer prefill is split across "
+                                                  "steps (chunked prefill; default: no limit)")
+    enable_prefix_caching: bool = arg(True, validator=boolean(),
+                                      help="reuse KV pages of identical prompt prefixes across requests "
+                                           "(default: on)")
     seed: int = arg(0, validator=satisfies(is_int, "an int"), metavar="S", parse=int,
                     help="seed of the run's sampling (default: 0)")
 

@@ -68,6 +68,7 @@ class LLM:
             eos_token_ids=_eos_ids(target.hf_config),
             seed=args.seed,
             pools=pools,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         self.engine_args = args
         self.speculative_config = spec
@@ -119,6 +120,11 @@ class LLM:
     def spec_stats(self):
         """Speculation counters since construction or :meth:`reset_spec_stats`; None without speculation."""
         return self.engine.spec_stats
+
+    def prefix_cache_stats(self) -> dict:
+        """``{"queries", "hits", "hit_rate"}``: prompt tokens looked up in the prefix cache since
+        construction, and how many were found there (vLLM's ``prefix_cache_queries`` / ``_hits``)."""
+        return self.engine.prefix_cache_stats().as_dict()
 
     def reset_spec_stats(self) -> None:
         if self.engine.spec_stats is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Hashable, Iterable, Iterator
+from typing import Hashable, Iterable, Iterator, Sequence
 
 import attrs
 import torch
@@ -37,6 +37,7 @@ class _PoolSequence:
     blocks: list[int] = attrs.field(factory=list)
     num_tokens: int = 0
     start: int = 0
+    num_published: int = 0  # leading pages carrying a content key (immutable from then on)
 
     @property
     def num_stored(self) -> int:
@@ -179,6 +180,11 @@ class PagedKVCache:
         for name, pool, need in plan:
             allocator = self._allocators[name]
             seq = seqs.setdefault(name, _PoolSequence())
+            if seq.num_stored % pool.block_size and self._is_frozen(name, seq.blocks[-1]):
+                raise KVCacheError(
+                    f"request {request!r} would write into page {seq.blocks[-1]} of pool {name!r}, which is shared "
+                    "or prefix-cached; cached pages are read-only"
+                )
             for _ in range(need):
                 seq.blocks.append(allocator.allocate())
             seq.num_tokens += num_new
@@ -202,6 +208,84 @@ class PagedKVCache:
         return torch.tensor(
             [blocks[p // bs] * bs + p % bs for p in range(start - first, end - first)], dtype=torch.int64
         )
+
+    def write_slots(self, request: Hashable, pool: str, start: int, end: int) -> torch.Tensor:
+        """:meth:`slots` of positions about to be (re)written: refuses pages that another request shares
+        or that carry a prefix-cache key (their content must not change while anyone may read it)."""
+        seq = self._seqs.get(request, {}).get(pool)
+        if seq is not None and end > start:
+            bs = self._pools[pool].block_size
+            for page in range((start - seq.start) // bs, -(-(end - seq.start) // bs)):
+                if self._is_frozen(pool, seq.blocks[page]):
+                    raise KVCacheError(
+                        f"request {request!r} would rewrite positions {start}..{end - 1} of pool {pool!r}, but page "
+                        f"{seq.blocks[page]} is shared or prefix-cached; cached pages are read-only"
+                    )
+        return self.slots(request, pool, start, end)
+
+    def _is_frozen(self, pool: str, block: int) -> bool:
+        allocator = self._allocators[pool]
+        return allocator.refcount(block) > 1 or allocator.is_published(block)
+
+    # ----- prefix caching -----
+    def lookup(self, pool: str, keys: Iterable[bytes]) -> list[int]:
+        """The cached blocks of ``pool`` holding the longest run of leading ``keys`` (page content keys,
+        :mod:`specdec.cache.page_keys`)."""
+        allocator, found = self._allocators[pool], []
+        for key in keys:
+            block = allocator.lookup(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_evictable(self, pool: str, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` (found by :meth:`lookup`) are unreferenced: adopting them takes them
+        out of the free pages."""
+        allocator = self._allocators[pool]
+        return sum(allocator.refcount(b) == 0 for b in blocks)
+
+    def adopt(self, request: Hashable, pool: str, blocks: Sequence[int]) -> None:
+        """Begin ``request``'s sequence in ``pool`` with the cached pages ``blocks`` (from :meth:`lookup`):
+        it holds their positions ``0 .. len(blocks) * block_size - 1`` without computing them. Only while
+        it holds nothing there."""
+        self._require_built()
+        seqs = self._seqs.setdefault(request, {})
+        seq = seqs.get(pool)
+        if seq is not None and (seq.num_tokens or seq.blocks):
+            raise KVCacheError(f"request {request!r} already holds tokens in pool {pool!r}; adopt cached pages first")
+        allocator = self._allocators[pool]
+        held = [allocator.acquire(b) for b in blocks]
+        n = len(held)
+        seqs[pool] = _PoolSequence(held, n * self._pools[pool].block_size, 0, n)
+
+    def num_published(self, request: Hashable, pool: str) -> int:
+        """How many leading pages of ``request`` in ``pool`` carry a content key."""
+        seq = self._seqs.get(request, {}).get(pool)
+        return seq.num_published if seq else 0
+
+    def publish(self, request: Hashable, pool: str, keys: Sequence[bytes]) -> None:
+        """Key ``request``'s next pages in ``pool`` (from :meth:`num_published` on, one key per page, each
+        page full and final): they become findable by other requests and read-only."""
+        seq = self._seqs.get(request, {}).get(pool)
+        if seq is None or not keys:
+            return
+        end = seq.num_published + len(keys)
+        if seq.start or end * self._pools[pool].block_size > seq.num_tokens:
+            raise KVCacheError(
+                f"cannot publish pages up to {end} of request {request!r} in pool {pool!r}: it holds positions "
+                f"{seq.start}..{seq.num_tokens - 1}"
+            )
+        allocator = self._allocators[pool]
+        for page, key in enumerate(keys, start=seq.num_published):
+            allocator.publish(seq.blocks[page], key)
+        seq.num_published = end
+
+    def num_freeable(self, request: Hashable, pool: str) -> int:
+        """Pages of ``request`` in ``pool`` that freeing it would return (the ones nobody else holds)."""
+        seq = self._seqs.get(request, {}).get(pool)
+        allocator = self._allocators[pool]
+        return sum(allocator.refcount(b) == 1 for b in seq.blocks) if seq else 0
 
     @contextlib.contextmanager
     def scratch(self, requests: Iterable[Hashable], pools: Iterable[str]) -> Iterator[None]:
@@ -270,6 +354,7 @@ class PagedKVCache:
             allocator = self._allocators[name]
             while len(seq.blocks) > keep:
                 allocator.free(seq.blocks.pop())
+            seq.num_published = min(seq.num_published, new_len // self._pools[name].block_size)
 
     def free(self, request: Hashable) -> None:
         """Release every page ``request`` holds in every pool (finish or preemption)."""

@@ -4,15 +4,18 @@ Who writes the paged cache, by phase of a step (nobody else does):
 
 1. *schedule*: nobody. The scheduler reads free pages and decides who runs (reserving pages for each
    request's tokens plus k drafts in every pool, by counting), who is admitted, who is preempted.
-2. *release*: the engine frees the pages of the requests it preempted, and starts the sequences of
-   newly admitted requests in the proposer's prompt-free pools at their prompt length.
+2. *release and admit*: the engine frees the pages of the requests it preempted, starts the sequences
+   of newly admitted requests in the proposer's prompt-free pools at their prompt length, and in every
+   other pool from the cached pages the scheduler found (prefix caching).
 3. *propose*: the proposer appends the rows it keeps to its own pools; rows it needs only for the
    proposal (the draft chain, rows ahead of the target in a target pool it joined) go in a cache
    scratch scope, which restores every length on exit.
 4. *target forward*: the model runner appends the step's tokens and drafts to the target's pools.
 5. *verify or sample*: nobody.
 6. *commit*: the engine truncates the target's and the proposer's own pools to each request's verified
-   length, frees finished requests' pages and tells the proposer (:class:`StepFeedback`).
+   length, tells the proposer (:class:`StepFeedback`; it may complete a finished request's rows),
+   publishes the pages that became full and final to the prefix cache and frees finished requests'
+   pages.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
+from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
 from specdec.models.base import CausalLM
 from specdec.outputs import RequestStep, StepOutput
@@ -70,6 +74,7 @@ class LLMEngine:
       like the greedy verifier, so per-request mixes are fine).
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
+    - ``enable_prefix_caching``: reuse cached pages of identical prefixes (:mod:`specdec.engine.prefix_caching`).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class LLMEngine:
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
         pools: EnginePools | None = None,
+        enable_prefix_caching: bool = True,
     ):
         self.model = model
         self.cache = cache
@@ -111,7 +117,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache, backend, pools.target)
         self.num_speculative_tokens = proposer.num_speculative_tokens if proposer is not None else 0
         self.aux_layer_ids = tuple(proposer.aux_layer_ids) if proposer is not None else ()
-        self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens)
+        self.prefix = PrefixCaching(cache, pools, proposer, enabled=enable_prefix_caching)
+        self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens, self.prefix)
 
         self.stats = EngineStats()
         self.spec_stats = SpecStats.for_k(self.num_speculative_tokens) if proposer is not None else None
@@ -159,6 +166,10 @@ class LLMEngine:
         self._next_id += 1
         return seq
 
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache and found there, since the engine was built."""
+        return self.prefix.stats
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -178,6 +189,7 @@ class LLMEngine:
             return
         self.scheduler.abort(seq, reason)
         self.cache.free(seq.seq_id)
+        self.prefix.release(seq.seq_id)
         if self.proposer is not None:
             self.proposer.on_step(StepFeedback(finished=(seq.seq_id,)))
 
@@ -247,35 +259,48 @@ class LLMEngine:
             if preempted and self.proposer is not None:
                 self.proposer.on_step(StepFeedback(preempted=preempted))
             return StepOutput(self.stats.num_steps)
-        self._start_prompt_free_pools(seqs)
+        self._admit(seqs, batch.reuse)
 
-        drafts = self._propose(seqs, batch.max_drafts)
         starts = [self.cache.num_tokens(seq.seq_id, TARGET_POOL) for seq in seqs]
+        ends = [s + n for s, n in zip(starts, batch.num_new_tokens)]
+        samples = [end == seq.num_tokens for seq, end in zip(seqs, ends)]
+        drafts = self._propose(seqs, batch.max_drafts)
         draft_ids = drafts.draft_token_ids if drafts is not None else [[] for _ in seqs]
-        tokens = [seq.token_ids[s:] + d for seq, s, d in zip(seqs, starts, draft_ids)]
+        tokens = [seq.token_ids[s:e] + d for seq, s, e, d in zip(seqs, starts, ends, draft_ids)]
         layout = StepLayout.build(
-            [seq.seq_id for seq in seqs], starts, [len(t) for t in tokens], [len(d) for d in draft_ids], self.device
+            [seq.seq_id for seq in seqs], starts, [len(t) for t in tokens], [len(d) for d in draft_ids], self.device,
+            samples,
         )
         output = self.runner.run(layout, tokens, self.aux_layer_ids)
         logits = self.model.compute_logits(output.hidden_states[layout.verify_rows])
 
-        # An all-greedy step checks drafts with the greedy verifier, which reads no sampling parameters.
+        # Only requests whose rows reach their last token sample; a prompt chunk ending earlier emits nothing.
+        sampling_seqs = [seqs[i] for i in layout.sampling]
         sampling = None
-        if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in seqs):
-            sampling = SamplingBatch.for_sequences(seqs, self.device)
-        if drafts is None:
-            emitted = [[t] for t in self.sampler.sample(logits, sampling).tolist()]
-            num_accepted = [0] * len(seqs)
+        if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in sampling_seqs):
+            sampling = SamplingBatch.for_sequences(sampling_seqs, self.device) if sampling_seqs else None
+        emitted, num_accepted = [[] for _ in seqs], [0] * len(seqs)
+        if not sampling_seqs:
+            pass
+        elif drafts is None:
+            for i, token in zip(layout.sampling, self.sampler.sample(logits, sampling).tolist()):
+                emitted[i] = [token]
         else:
-            num_accepted, emitted = self._verify(logits, layout, drafts, sampling)
+            accepted, verified = self._verify(logits, layout, drafts, sampling)
+            for j, i in enumerate(layout.sampling):
+                num_accepted[i], emitted[i] = accepted[j], verified[j]
         return self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted)
 
-    def _start_prompt_free_pools(self, seqs: list[EngineSequence]) -> None:
+    def _admit(self, seqs: list[EngineSequence], reuse) -> None:
+        """Start the pools of requests admitted this step: prompt-free pools at the prompt length, and
+        every other pool from the cached pages the scheduler found for it."""
         prompt_free = self.pools.draft.prompt_free
-        if prompt_free:
-            for seq in seqs:
-                if self.cache.num_tokens(seq.seq_id, TARGET_POOL) == 0:  # admitted this step
-                    self.cache.set_start(seq.seq_id, seq.num_prompt_tokens, prompt_free)
+        for seq in seqs:
+            if self.cache.num_tokens(seq.seq_id, TARGET_POOL):
+                continue  # running already
+            if prompt_free:
+                self.cache.set_start(seq.seq_id, seq.num_prompt_tokens, prompt_free)
+            self.prefix.admit(seq, reuse.get(seq.seq_id))
 
     def _propose(self, seqs: list[EngineSequence], max_drafts: list[int]) -> Proposal | None:
         if self.proposer is None or not any(max_drafts):
@@ -292,14 +317,20 @@ class LLMEngine:
         return proposal
 
     def _verify(self, logits, layout: StepLayout, drafts: Proposal, sampling: SamplingBatch | None):
+        """Verify the drafts of the sampling requests (``layout.sampling``); per such request, in order,
+        how many were accepted and the tokens emitted."""
         k = self.num_speculative_tokens
-        padded = torch.tensor([d + [-1] * (k - len(d)) for d in drafts.draft_token_ids], device=self.device)
+        index = layout.sampling
+        padded = torch.tensor([drafts.draft_token_ids[i] + [-1] * (k - len(drafts.draft_token_ids[i])) for i in index],
+                              device=self.device)
+        num_drafts = torch.tensor([layout.num_drafts[i] for i in index], device=self.device)
+        probs = drafts.draft_probs
+        if probs is not None and len(index) < layout.num_requests:
+            probs = probs[torch.tensor(index, device=probs.device)]
         verifier = self.verifier
         if verifier is None:
             verifier = self._greedy_verifier if sampling is None else self._rejection
-        result = verifier.verify(
-            logits, padded, torch.tensor(layout.num_drafts, device=self.device), drafts.draft_probs, sampling
-        )
+        result = verifier.verify(logits, padded, num_drafts, probs, sampling)
         return result.num_accepted.tolist(), result.emitted()
 
     def _commit(self, seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:
@@ -309,8 +340,11 @@ class LLMEngine:
         cache, truncated = self.cache, self.pools.per_request
         results, finished = [], []
         generated = 0
-        first_rows = list(itertools.accumulate((d + 1 for d in layout.num_drafts), initial=0))
+        first_rows = dict(zip(layout.sampling, itertools.accumulate(
+            (layout.num_drafts[i] + 1 for i in layout.sampling), initial=0)))
         for i, seq in enumerate(seqs):
+            if not layout.samples[i]:
+                continue  # a prompt chunk: nothing emitted, nothing to roll back
             before = seq.num_tokens
             generated += seq.append(emitted[i])
             new = tuple(seq.token_ids[before:])
@@ -328,15 +362,19 @@ class LLMEngine:
                 for name in truncated:
                     if cache.num_tokens(seq.seq_id, name) > keep:
                         cache.truncate(seq.seq_id, keep, [name])
+        if self.proposer is not None:
+            self.proposer.on_step(StepFeedback(
+                seqs, layout, num_accepted, output, tuple(s.seq_id for s in finished), preempted,
+                cache_finished=self.prefix.enabled,
+            ))
+            if any(layout.num_drafts):
+                self.spec_stats.observe(layout.num_drafts, num_accepted)
+        for seq in seqs:
+            self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)
         for seq in finished:
             self.scheduler.finish(seq)
             cache.free(seq.seq_id)
-        if self.proposer is not None:
-            self.proposer.on_step(
-                StepFeedback(seqs, layout, num_accepted, output, tuple(s.seq_id for s in finished), preempted)
-            )
-            if any(layout.num_drafts):
-                self.spec_stats.observe(layout.num_drafts, num_accepted)
+            self.prefix.release(seq.seq_id)
         out = StepOutput(self.stats.num_steps, tuple(results))
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += layout.num_rows

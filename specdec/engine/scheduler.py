@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import attrs
 
 from specdec.cache.paged_cache import PagedKVCache
+from specdec.engine.prefix_caching import PrefixCaching, PrefixMatch
 from specdec.runtime.sequence import Sequence, SequenceStatus
 from specdec.validation import int_at_least
 
@@ -16,9 +18,9 @@ class SchedulerConfig:
     """Limits of one step.
 
     - ``max_num_seqs``: requests holding KV at once.
-    - ``max_num_batched_tokens``: query tokens per forward (prefill tokens + decode tokens + drafts);
-      None = no limit besides the KV cache. A prefill longer than the limit still runs, alone with
-      the decodes, so that no request waits forever.
+    - ``max_num_batched_tokens``: query tokens per forward (prefill chunks + decode tokens + drafts);
+      None = no limit besides the KV cache. A prefill longer than what is left of the budget runs in
+      chunks over several steps (chunked prefill); decodes are scheduled first.
     """
 
     max_num_seqs: int = attrs.field(default=256, validator=int_at_least(1))
@@ -31,29 +33,43 @@ class SchedulerConfig:
 
 @attrs.define
 class ScheduledBatch:
-    """What runs this step: ``seqs[i]`` may receive up to ``max_drafts[i]`` draft tokens.
+    """What runs this step: ``seqs[i]`` computes its next ``num_new_tokens[i]`` tokens (its whole
+    remainder, or a chunk of its prompt) and may receive up to ``max_drafts[i]`` draft tokens.
 
     ``preempted`` requests went back to the queue; the engine frees their pages before the forward.
+    ``reuse`` maps each newly admitted request that starts from cached pages to its
+    :class:`~specdec.engine.prefix_caching.PrefixMatch`; the engine adopts the pages.
     """
 
-    seqs: list[Sequence]
-    max_drafts: list[int]
-    preempted: list[Sequence]
+    seqs: list[Sequence] = attrs.field(factory=list)
+    num_new_tokens: list[int] = attrs.field(factory=list)
+    max_drafts: list[int] = attrs.field(factory=list)
+    preempted: list[Sequence] = attrs.field(factory=list)
+    reuse: dict[int, PrefixMatch] = attrs.field(factory=dict)
+
+    def add(self, seq: Sequence, rows: int, drafts: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(rows)
+        self.max_drafts.append(drafts)
 
 
 class Scheduler:
-    """Admits waiting requests while KV pages allow and preempts the newest when they run out.
+    """Admits waiting requests while KV pages and the token budget allow; preempts the newest when
+    pages run out.
 
-    Every step, running requests come first (in admission order), each reserving pages for its
-    next tokens plus its drafts in every pool of the cache; when the free pages do not cover a
-    request, the most recently admitted running request is preempted: its pages are freed and it
-    goes back to the front of the queue, to be recomputed later from prompt + output. Waiting
-    requests are then admitted (as prefills, in the same step) while pages, ``max_num_seqs`` and
-    the token budget allow, unless a preemption happened this step (admitting then would thrash).
+    Every step, running requests come first: decodes (in admission order), then prompts being
+    prefilled in chunks; each reserves pages for its rows plus its drafts in every pool of the cache.
+    When the free pages do not cover a request, the most recently admitted running request still
+    unscheduled is preempted: its pages are freed and it goes back to the front of the queue, to be
+    recomputed later from prompt + output. Waiting requests are then admitted (starting from the
+    longest cached prefix when prefix caching is on) while pages, ``max_num_seqs`` and the token
+    budget allow, unless a preemption happened this step (admitting then would thrash). A request
+    gets drafts only in a step that computes its last token; a prompt chunk that ends earlier has
+    none, and a running request left without budget waits for the next step, keeping its pages.
 
-    The scheduler only *decides*: it reads the cache (free blocks, pages held) and never writes it.
-    It reserves by counting, so the forwards that follow (target and proposer) cannot run out of
-    pages mid-step; the engine frees the pages of the requests it preempts, finishes or aborts.
+    The scheduler only *decides*: it reads the cache (free blocks, pages held, cached pages) and never
+    writes it. It reserves by counting, so the forwards that follow (target and proposer) cannot run
+    out of pages mid-step; the engine frees the pages of the requests it preempts, finishes or aborts.
     """
 
     def __init__(self, config: SchedulerConfig | None = None):
@@ -62,18 +78,23 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._cache: PagedKVCache | None = None
+        self._prefix: PrefixCaching | None = None
         self._lookahead = 0
 
-    def bind(self, cache: PagedKVCache, primary_pool: str, num_lookahead: int = 0) -> None:
+    def bind(
+        self, cache: PagedKVCache, primary_pool: str, num_lookahead: int = 0, prefix: PrefixCaching | None = None
+    ) -> None:
         """Attach the (built) cache.
 
         ``primary_pool`` is the target's main pool (its length is what a request has computed);
-        ``num_lookahead`` is k, the drafts a request may get per step. Reservations cover every
-        pool of the cache, the proposer's included.
+        ``num_lookahead`` is k, the drafts a request may get per step; ``prefix`` finds the cached
+        pages a newly admitted request can reuse. Reservations cover every pool of the cache, the
+        proposer's included.
         """
         self._cache = cache
         self._primary = primary_pool
         self._lookahead = num_lookahead
+        self._prefix = prefix
         self._block_sizes = {name: pool.block_size for name, pool in cache.pools.items()}
 
     # ----- queue -----
@@ -111,67 +132,86 @@ class Scheduler:
             raise RuntimeError("Scheduler.bind(cache) must be called before schedule()")
         free = {name: cache.num_free_blocks(name) for name in self._block_sizes}
         budget = self.config.max_num_batched_tokens
-        tokens = 0
-        batch = ScheduledBatch([], [], [])
+        left = math.inf if budget is None else budget
+        batch = ScheduledBatch()
 
-        queue = list(self.running)
-        kept: list[Sequence] = []
+        # Decodes first, then prompts part-way through their prefill (vLLM's order).
+        queue = sorted(self.running, key=lambda s: self._query_len(s) > 1)
+        preempted: set[int] = set()
         while queue:
             seq = queue.pop(0)
-            drafts = seq.max_drafts(self._lookahead)
-            need = self._blocks_needed(seq, seq.num_tokens + drafts)
+            cached = cache.num_tokens(seq.seq_id, self._primary)
+            rows, drafts = self._rows(seq, seq.num_tokens - cached, left)
+            if rows == 0:
+                continue  # no budget left this step: it keeps its pages and runs later
+            need = self._blocks_needed(seq, cached + rows + drafts)
             while not _fits(need, free) and queue:
                 victim = queue.pop()
                 self._preempt(victim, free)
                 batch.preempted.append(victim)
+                preempted.add(victim.seq_id)
             if not _fits(need, free):
                 # Nobody left to preempt but itself; it fits alone (checked at admission), later.
                 self._preempt(seq, free)
                 batch.preempted.append(seq)
+                preempted.add(seq.seq_id)
                 break
             _take(need, free)
-            kept.append(seq)
-            batch.seqs.append(seq)
-            batch.max_drafts.append(drafts)
-            tokens += self._query_len(seq) + drafts
-        self.running = kept
+            batch.add(seq, rows, drafts)
+            left -= rows + drafts
+        self.running = [s for s in self.running if s.seq_id not in preempted]
 
         if not batch.preempted:
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and len(self.running) < self.config.max_num_seqs and left > 0:
                 seq = self.waiting[0]
-                drafts = seq.max_drafts(self._lookahead)
-                query = seq.num_tokens + drafts
-                if budget is not None and tokens + query > budget and tokens > 0:
+                match = self._prefix.match(seq) if self._prefix is not None else None
+                cached = match.num_cached_tokens if match is not None else 0
+                rows, drafts = self._rows(seq, seq.num_tokens - cached, left, whole=not batch.seqs)
+                if rows == 0:
                     break
-                need = self._blocks_needed(seq, seq.num_tokens + drafts)
+                need = self._blocks_needed(seq, cached + rows + drafts, match)
                 if not _fits(need, free):
                     break
                 _take(need, free)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                batch.seqs.append(seq)
-                batch.max_drafts.append(drafts)
-                tokens += query
+                batch.add(seq, rows, drafts)
+                if match is not None:
+                    batch.reuse[seq.seq_id] = match
+                left -= rows + drafts
         return batch
+
+    def _rows(self, seq: Sequence, remaining: int, left: float, whole: bool = False) -> tuple[int, int]:
+        """Rows and drafts ``seq`` runs with ``left`` budget tokens: its ``remaining`` uncached tokens or a
+        chunk of them (no drafts then). A request asking for prompt logprobs is never chunked: it runs
+        whole, alone if it must (``whole``: nothing else is scheduled yet), or waits."""
+        if remaining > left and seq.params.prompt_logprobs is not None:
+            return (remaining, 0) if whole else (0, 0)
+        rows = int(min(remaining, left))
+        drafts = seq.max_drafts(self._lookahead) if rows == remaining else 0
+        return rows, int(min(drafts, left - rows))
 
     # ----- helpers -----
     def _query_len(self, seq: Sequence) -> int:
         return seq.num_tokens - self._cache.num_tokens(seq.seq_id, self._primary)
 
-    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> dict[str, int]:
+    def _blocks_needed(self, seq: Sequence, num_tokens: int, match: PrefixMatch | None = None) -> dict[str, int]:
         # Pages hold ceil(stored / block_size) blocks exactly (the cache frees emptied pages on
         # truncate); a pool whose sequence starts past 0 (a draft sharing the prompt's KV) stores
-        # only the positions from its start.
+        # only the positions from its start. Cached pages a request adopts need no new page, but an
+        # unreferenced one leaves the free pages when it is taken.
         cache, sid = self._cache, seq.seq_id
-        return {
-            name: -(-max(0, num_tokens - cache.sequence_start(sid, name)) // bs) - cache.blocks_held(sid, name)
-            for name, bs in self._block_sizes.items()
-        }
+        need = {}
+        for name, bs in self._block_sizes.items():
+            pages = -(-max(0, num_tokens - cache.sequence_start(sid, name)) // bs) - cache.blocks_held(sid, name)
+            reused = match.blocks.get(name, ()) if match is not None else ()
+            need[name] = pages - len(reused) + (cache.num_evictable(name, reused) if reused else 0)
+        return need
 
     def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:
         for name in self._block_sizes:
-            free[name] += self._cache.blocks_held(seq.seq_id, name)
+            free[name] += self._cache.num_freeable(seq.seq_id, name)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

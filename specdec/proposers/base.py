@@ -59,6 +59,20 @@ class ProposerPools:
     - ``read``: target pools it reads without writing (KV sharing).
     - ``prompt_free``: own pools that hold no prompt positions (the prompt's KV is read from a target
       pool): the engine starts a request's sequence there at its prompt length when it is admitted.
+
+    Prefix caching (the engine's): every pool but the prompt-free ones is cached page by page, keyed by
+    the tokens its pages depend on.
+
+    - ``successor_keyed``: own or joined pools whose row ``p`` also depends on token ``p + 1`` (a
+      shifted EAGLE3 draft); their page keys include the token after the page.
+    - ``reuse_lead``: None when the proposer catches its own pools up from whatever prefix they reuse
+      (a draft model); else ``n``: it needs the target's hidden states from the position where the
+      target's reuse ends, so the target reuses at most ``own reuse - n`` positions (0 for a shifted
+      EAGLE3 draft, 1 for an unshifted one, whose row ``p`` reads ``h_(p-1)``). A proposer reads what
+      a request reuses as its pool lengths when the request is first seen (and the first forward's
+      start position, the target's reuse).
+    - A proposer that joins pools implements ``joined_rows(request) -> int``: positions below it hold
+      its final rows there (its rows may trail the target's), so pages are cached no further.
     """
 
     backend: "AttentionBackend | None" = None
@@ -66,6 +80,8 @@ class ProposerPools:
     joined: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
     prompt_free: tuple[str, ...] = ()
+    successor_keyed: tuple[str, ...] = ()
+    reuse_lead: int | None = None
 
 
 @attrs.frozen
@@ -76,10 +92,12 @@ class StepFeedback:
     ``layout.requests[i]`` in ``target_output``; of its ``layout.num_drafts[i]`` drafts the first
     ``num_accepted[i]`` were accepted (rows of rejected drafts hold states of tokens that are gone).
     ``target_output.aux_hidden_states`` is set when the proposer asked for ``aux_layer_ids``.
-    ``finished`` (done or aborted) and ``preempted`` name the requests released in this step: their
-    pages are freed and the proposer must forget them (a preempted request comes back later as a new
-    prefill). A step may release requests without running a forward (``layout`` and
-    ``target_output`` None, ``seqs`` empty).
+    ``finished`` (done or aborted) and ``preempted`` name the requests released in this step: the
+    proposer must forget them (a preempted request comes back later as a new prefill); their pages are
+    freed (a finished one's right after this call). A step may release requests without running a
+    forward (``layout`` and ``target_output`` None, ``seqs`` empty). ``cache_finished``: the engine
+    publishes the finished requests' pages to the prefix cache after this call, so a proposer whose
+    rows trail the verified tokens may complete them now.
     """
 
     seqs: Sequence["EngineSequence"] = ()
@@ -88,6 +106,7 @@ class StepFeedback:
     target_output: "ModelOutput | None" = None
     finished: Sequence[Hashable] = ()
     preempted: Sequence[Hashable] = ()
+    cache_finished: bool = False
 
     @property
     def released(self) -> tuple[Hashable, ...]:

@@ -50,23 +50,35 @@ class DraftModelProposer(ModelProposer):
         pools = tuple(context.cache.register(p).name for p in model.kv_pools(DRAFT_POOL, size, context.dtype))
         self.model = model
         self.runner = ModelRunner(model, context.cache, backend, pools)
+        self._target_pool = context.target_pools[0].name
         return ProposerPools(backend=backend, own=pools)
 
     def propose(self, seqs: Sequence, max_drafts: Sequence[int]) -> Proposal:
         runner = self.runner
         if runner is None:
             raise RuntimeError("DraftModelProposer.setup() must run before propose(); the engine calls it")
-        active = [i for i, m in enumerate(max_drafts) if m > 0]
+        cache, primary = runner.cache, runner.pool_names[0]
+        # Catch up on every unseen token: a drafting request up to its last token, any other one (a
+        # prompt being prefilled in chunks) as far as the target has computed, chunk by chunk.
+        chunks, active, last_rows, rows = [], [], [], 0
+        for i, seq in enumerate(seqs):
+            have = cache.num_tokens(seq.seq_id, primary)
+            end = seq.num_tokens if max_drafts[i] > 0 else cache.num_tokens(seq.seq_id, self._target_pool)
+            if end <= have:
+                continue
+            chunks.append(Chunk(seq.seq_id, seq.token_ids[have:end]))
+            rows += end - have
+            if max_drafts[i] > 0:
+                active.append(i)
+                last_rows.append(rows - 1)
         if not active:
+            if chunks:
+                runner.forward(chunks)
             return Proposal([[] for _ in seqs])
         drafting = [seqs[i] for i in active]
-        cache, primary = runner.cache, runner.pool_names[0]
-
-        # Catch up on every unseen token, then one decode per further draft.
-        chunks = [Chunk(s.seq_id, s.token_ids[cache.num_tokens(s.seq_id, primary) :]) for s in drafting]
         out = runner.forward(chunks)
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        logits = self.model.compute_logits(out.hidden_states[ends.to(runner.device)])
+        index = torch.tensor(last_rows, dtype=torch.long, device=runner.device)
+        logits = self.model.compute_logits(out.hidden_states[index])
 
         def advance(_step: int, _kept: list[int], rows: list[int], tokens: list[int]) -> torch.Tensor:
             out = runner.forward([Chunk(drafting[r].seq_id, [t]) for r, t in zip(rows, tokens)])

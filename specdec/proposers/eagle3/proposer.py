@@ -128,8 +128,14 @@ class Eagle3Proposer(ModelProposer):
             )
             (pool,) = [context.cache.register(p) for p in draft.kv_pools(DRAFT_POOL, size, context.dtype)]
             self.pool, self.shares_target_pool = pool.name, False
-            pools = ProposerPools(backend=backend, own=(pool.name,))
+            # The draft's rows continue from the target's hidden states where the target's reuse ends.
+            pools = ProposerPools(backend=backend, own=(pool.name,), reuse_lead=self.position_offset)
+        if self.position_offset == 0:
+            # A shifted draft's row p holds (token p + 1, h_p): its pages are keyed with the token after them.
+            pools = attrs.evolve(pools, successor_keyed=(self.pool,))
         self.draft = draft
+        # A finished request's rows in a pool of its own are completed for the prefix cache.
+        self._completes_finished = not self.shares_target_pool
         self.backend: AttentionBackend = backend
         self.cache: PagedKVCache = context.cache
         self.device = context.device
@@ -171,6 +177,12 @@ class Eagle3Proposer(ModelProposer):
             return None  # a pool of its own, at a page size the draft's backend runs
         # eagle3.1-mla joins even then: the engine's page-size check names both sides and the fix.
         return pool
+
+    def joined_rows(self, request: Hashable) -> int:
+        """Positions of the joined target pool below which the draft's rows for ``request`` are final
+        (its rows trail the target's: row p waits for token p + 1)."""
+        state = self._states.get(request)
+        return max(0, state.done + self.position_offset) if state is not None else 0
 
     # ----- unshifted hooks -----
     def _bootstrap_hidden(self) -> torch.Tensor | None:
@@ -308,7 +320,7 @@ class Eagle3Proposer(ModelProposer):
             have = cache.num_tokens(request, pool)
             if hi > have:
                 cache.append_slots(request, hi - have, [pool])
-            slots.append(cache.slots(request, pool, lo, hi))
+            slots.append(cache.write_slots(request, pool, lo, hi))
         return paged_metadata(
             cache, pool, requests, [hi - lo for lo, hi in positions], [hi for _, hi in positions],
             torch.cat(slots), self.device,
@@ -316,17 +328,32 @@ class Eagle3Proposer(ModelProposer):
 
     # ----- feedback -----
     def on_step(self, feedback: StepFeedback) -> None:
-        """Forget released requests; keep the fused target states of every verified row of the step."""
+        """Keep the fused target states of every verified row of the step; forget released requests.
+
+        With ``feedback.cache_finished`` a finished request's draft rows are completed first (they
+        trail its verified tokens by a step), so its pages reach the prefix cache whole."""
+        finishing = [s for s in feedback.seqs if s.is_finished and s.seq_id in self._states] \
+            if feedback.cache_finished and self._completes_finished else []
+        if self.draft is not None and feedback.layout is not None:
+            self._keep_hidden(feedback, {s.seq_id for s in finishing})
+        if finishing:
+            with torch.inference_mode():
+                self._catch_up(finishing, [0] * len(finishing))
         for request in feedback.released:
             self._states.pop(request, None)
-        if self.draft is None or feedback.layout is None:
-            return
+
+    def _keep_hidden(self, feedback: StepFeedback, finishing: set) -> None:
         layout = feedback.layout
         aux = feedback.target_output.aux_hidden_states
         take: list[tuple[Hashable, int, int]] = []  # (request, first position, rows)
         index: list[int] = []
         for i, (seq, valid) in enumerate(zip(feedback.seqs, layout.kept_rows(feedback.num_accepted))):
-            if seq.is_finished or valid <= 0:
+            if seq.is_finished:
+                if seq.seq_id not in finishing:
+                    continue
+                # Rows past a stop token hold tokens that were cut: keep the verified ones only.
+                valid = min(valid, seq.num_tokens - 1 - layout.start_positions[i])
+            if valid <= 0:
                 continue
             take.append((seq.seq_id, layout.start_positions[i], valid))
             index.extend(range(layout.row_starts[i], layout.row_starts[i] + valid))
@@ -345,15 +372,20 @@ class Eagle3Proposer(ModelProposer):
     def _append_hidden(self, request: Hashable, start: int, hidden: torch.Tensor) -> None:
         state = self._states.get(request)
         if state is None:
-            if start != 0:
-                raise RuntimeError(
-                    f"EAGLE3 proposer got target states of request {request!r} from position {start} without "
-                    "the earlier ones; a preempted request must be freed (proposer.free) and recomputed"
-                )
-            boot = self._bootstrap_hidden()
+            # A new request. Its draft rows so far are the ones it reused from the prefix cache (its
+            # pool's length; in the target's pool, the target's reuse, where this first forward starts).
             off = self.position_offset
+            rows_held = start if self.shares_target_pool else self.cache.num_tokens(request, self.pool)
+            done = rows_held - off
+            boot = self._bootstrap_hidden() if start == 0 else None
+            first = start - (boot.shape[0] if boot is not None else 0)
+            if done < first:
+                raise RuntimeError(
+                    f"EAGLE3 proposer got target states of request {request!r} from position {start}, but its draft "
+                    f"holds rows up to {rows_held}: the states in between are missing"
+                )
             rows = hidden if boot is None else torch.cat([boot.to(hidden.dtype), hidden])
-            self._states[request] = _RequestState(rows, -off, -off)
+            self._states[request] = _RequestState(rows, first, done)
             return
         if start > state.known:
             raise RuntimeError(

@@ -154,7 +154,9 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         self.shared_layer = resolve_shared_layer(
             context.target, context.target_pools, self.draft, requested=requested, declared=declared
         )
-        # The prompt's KV is the target's: the draft's own pool starts each request at its prompt length.
+        # The prompt's KV is the target's: the draft's own pool starts each request at its prompt length
+        # (it holds no prompt pages, so nothing of it is prefix-cached).
+        self._completes_finished = False
         return attrs.evolve(pools, read=(self.shared_layer.pool,), prompt_free=pools.own)
 
     def _shared_pool(self, draft, target_pools, backend):

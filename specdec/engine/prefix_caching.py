@@ -1,0 +1,150 @@
+"""Prefix caching: which pools are cached under which keys, how far a request reuses, what is published.
+
+Every pool a request fills from its tokens is cached page by page at its own page size (a 16-token
+draft pool beside 128-token MiniMax-M3 pages): once a page is full and final, the engine publishes it
+under the chained hash of the tokens it depends on (:mod:`specdec.cache.page_keys`); freed, it stays
+findable until the allocator needs the page. A newly admitted (or recomputed) request then starts from
+the longest prefix its pools hold:
+
+- the target's pools reuse one common length, a multiple of each of their page sizes;
+- the proposer's own pools (one model: one common length) reuse what they hold; when the proposer
+  drafts from the target's hidden states (``ProposerPools.reuse_lead``), the target reuses no further
+  than ``own - lead``, so every state the draft still needs is computed by the target's forward;
+- prompt-free pools (a draft reading the prompt's KV from the target) hold no prompt and are not cached;
+  their rows start at the prompt's end, so a recomputed request reuses no further than its prompt.
+
+At least the request's last token is always computed (its logits are the next token's), and a request
+that asks for prompt logprobs reuses nothing (they are computed with the prompt).
+
+The counters are vLLM's: ``queries`` are the tokens of admitted requests (prompt, plus output when a
+preempted request is recomputed), ``hits`` the ones the target took from cached pages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Mapping
+
+import attrs
+
+from specdec.cache.page_keys import PageKeyChain
+from specdec.cache.paged_cache import PagedKVCache
+from specdec.engine.pools import EnginePools
+from specdec.proposers.base import Proposer
+from specdec.runtime.sequence import Sequence
+
+
+@attrs.define
+class PrefixCacheStats:
+    """Prompt tokens looked up (``queries``) and found cached (``hits``) since the engine was built."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def as_dict(self) -> dict:
+        return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hit_rate}
+
+
+@attrs.frozen
+class PrefixMatch:
+    """What a request reuses: ``num_cached_tokens`` target positions, and per pool the cached pages."""
+
+    num_cached_tokens: int
+    blocks: Mapping[str, tuple[int, ...]]
+
+
+class PrefixCaching:
+    """The engine's prefix cache over the pools of ``pools`` (see the module docstring)."""
+
+    def __init__(self, cache: PagedKVCache, pools: EnginePools, proposer: Proposer | None, *, enabled: bool = True):
+        self.cache = cache
+        self.enabled = enabled
+        self.stats = PrefixCacheStats()
+        declared = pools.draft
+        self._successor = frozenset(declared.successor_keyed)
+        self._lead = declared.reuse_lead
+        self._target = tuple(pools.target)
+        self._own = tuple(p for p in declared.own if p not in declared.prompt_free)
+        self._prompt_free = tuple(declared.prompt_free)
+        self._joined = tuple(declared.joined)
+        self._joined_rows = getattr(proposer, "joined_rows", None) if self._joined else None
+        if self._joined and self._joined_rows is None:
+            raise TypeError(
+                f"{type(proposer).__name__} joins pools {list(self._joined)} but has no joined_rows(request); "
+                "prefix caching cannot tell which of its rows there are final"
+            )
+        self._block_size = {name: cache.pool(name).block_size for name in self._target + self._own}
+        self._chains: dict[Hashable, dict[int, PageKeyChain]] = {}
+
+    # ----- admission -----
+    def match(self, seq: Sequence) -> PrefixMatch | None:
+        """The longest prefix ``seq`` can reuse now (None: nothing); reads the cache, changes nothing."""
+        if not self.enabled or seq.params.prompt_logprobs is not None:
+            return None
+        limit = seq.num_tokens - 1  # the last token is always computed
+        found = {name: self.cache.lookup(name, self._keys(seq, name, 0, limit // bs))
+                 for name, bs in self._block_size.items()}
+        own = self._group_length(self._own, found) if self._own else None
+        if self._prompt_free:
+            # A prompt-free pool's rows begin at the prompt's end, from the target's states there: a
+            # recomputed request (preempted with output) computes its output positions again.
+            own = seq.num_prompt_tokens if own is None else self._align(min(own, seq.num_prompt_tokens), self._own)
+        target = self._group_length(self._target, found)
+        if own is not None and self._lead is not None:
+            target = self._align(min(target, own - self._lead), self._target)
+        lengths = {**{name: target for name in self._target}, **{name: own for name in self._own}}
+        blocks = {name: tuple(found[name][: lengths[name] // bs]) for name, bs in self._block_size.items()}
+        if not any(blocks.values()):
+            return None
+        return PrefixMatch(target, {name: b for name, b in blocks.items() if b})
+
+    def admit(self, seq: Sequence, match: PrefixMatch | None) -> None:
+        """Start an admitted request's pools with the pages it reuses, and count the lookup."""
+        self.stats.queries += seq.num_tokens
+        if match is None:
+            return
+        self.stats.hits += match.num_cached_tokens
+        for name, blocks in match.blocks.items():
+            self.cache.adopt(seq.seq_id, name, blocks)
+
+    # ----- after a step -----
+    def publish(self, seq: Sequence) -> None:
+        """Publish every full page of ``seq`` whose content is final (positions whose tokens are known
+        and verified; in a joined pool, as far as the proposer's rows are final)."""
+        if not self.enabled:
+            return
+        request, verified = seq.seq_id, seq.num_tokens - 1
+        joined_final = self._joined_rows(request) if self._joined_rows is not None else verified
+        for name, bs in self._block_size.items():
+            final = min(self.cache.num_tokens(request, name), verified)
+            if name in self._joined:
+                final = min(final, joined_final)
+            first = self.cache.num_published(request, name)
+            if final // bs > first:
+                self.cache.publish(request, name, self._keys(seq, name, first, final // bs))
+
+    def release(self, request: Hashable) -> None:
+        """Forget a finished request's page keys."""
+        self._chains.pop(request, None)
+
+    # ----- helpers -----
+    def _keys(self, seq: Sequence, pool: str, first: int, end: int) -> list[bytes]:
+        """Content keys of ``seq``'s pages ``first .. end - 1`` in ``pool`` (its chain memoised)."""
+        bs = self._block_size[pool]
+        chains = self._chains.setdefault(seq.seq_id, {})
+        chain = chains.get(bs)
+        if chain is None:
+            chain = chains[bs] = PageKeyChain(bs)
+        return chain.pool_keys(seq.token_ids, first, end, pool in self._successor)
+
+    def _group_length(self, group: tuple[str, ...], found: Mapping[str, list[int]]) -> int:
+        """The longest length every pool of ``group`` holds in cached pages, a multiple of each page size."""
+        return self._align(min(len(found[name]) * self._block_size[name] for name in group), group)
+
+    def _align(self, length: int, group: tuple[str, ...]) -> int:
+        step = math.lcm(*(self._block_size[name] for name in group))
+        return max(0, length // step * step)

@@ -139,11 +139,13 @@ examples:
   specdec bench --model ./tiny --input-len 32 --output-len 32 --num-prompts 16 --concurrency 4 \\
       --speculative-config eagle3:model=./tiny-eagle3,num_speculative_tokens=3
   specdec bench --model ./tiny --dataset prompts.jsonl --concurrency 8 --json
+  specdec bench --model ./tiny --workload multi-turn --num-turns 4 --no-enable-prefix-caching
 
 the baseline (no speculation) always runs first, on the same prompts (every request ignores EOS, so
 both runs generate the same number of tokens). Metrics are vLLM benchmark_serving's: TTFT = first
 token - arrival, TPOT = (e2e - TTFT) / (output_len - 1), ITL = gaps between emissions (one gap per
-step, however many tokens speculation emitted in it).
+step, however many tokens speculation emitted in it). The shared-prefix and multi-turn workloads take
+held-out text (the training corpus's validation split); every run reports its prefix-cache hits/queries.
 """
 
 

@@ -15,8 +15,10 @@ import sys
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.bench import DELTA_KEYS, BenchConfig, RequestRecord, load_prompts, summarize
+from specdec.bench import DELTA_KEYS, BenchConfig, RequestRecord, load_prompts, load_workload, serve, summarize
+from specdec.bench.workload import HELD_OUT
 from specdec.cli import main
+from specdec.zoo import zoo_path
 
 NGRAM = "ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2"
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 5, 8, 10, 2
@@ -139,7 +141,7 @@ def test_table_and_dataset(llama, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("Spec "))
     for column in ("Req/s", "Total tok/s", "Output tok/s", "median TTFT (ms)", "TPOT mean/med/p99 (ms)",
-                   "ITL mean/med/p99 (ms)", "delta"):
+                   "ITL mean/med/p99 (ms)", "delta", "mean TTFT (ms)", "prefix cache hits/queries"):
         assert column in header
     assert [line.split()[0] for line in lines if line.startswith(("no ", "ngram "))] == ["no", "ngram"]
     assert any(line.startswith("acceptance per position: ") and "mean acceptance length" in line for line in lines)
@@ -173,6 +175,9 @@ def _check_error(code: int, stderr: str, needle: str) -> None:
         (["--dataset", "{data}", "--num-prompts", "3"], ['{"prompt_token_ids": [1]}'], "lower --num-prompts"),
         (["--dataset", "{data}"], ['{"prompt_token_ids": [1, 999]}'], "vocabulary"),
         (["--kv-cache-memory", "2K"], None, "kv_cache_memory"),
+        (["--workload", "chat"], None, "workload (--workload) must be one of 'single', 'shared-prefix'"),
+        (["--workload", "multi-turn", "--num-turns", "1"], None, "num_turns (--num-turns) must be an int >= 2"),
+        (["--workload", "shared-prefix", "--dataset", "{data}"], ['{"prompt": "x"}'], "draws its own"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(args, lines, needle, llama, tmp_path, capsys):
@@ -195,3 +200,78 @@ def test_text_prompts_need_a_tokenizer(tiny_checkpoint, tmp_path, capsys):
     capsys.readouterr()  # drop what building the checkpoint printed
     code = main(["bench", "--model", model, "--dataset", str(data)])
     _check_error(code, capsys.readouterr().err, "no tokenizer")
+
+
+# ----------------------------------------------------------------------------- workloads and the prefix cache
+ZOO_LLAMA = str(zoo_path("llama-tiny"))  # real tokenizer: the workloads' prompts are held-out text
+PREFIX, SUFFIX = 32, 8  # two 16-token pages of system prompt
+
+
+def test_shared_prefix_requests_share_their_system_prompt_and_nothing_else():
+    config = BenchConfig(model=ZOO_LLAMA, workload="shared-prefix", num_prompts=6, num_prefixes=2, prefix_len=PREFIX,
+                         input_len=SUFFIX, warmup=1)
+    w = load_workload(config)
+    assert w.source == HELD_OUT and w.messages == [] and len(w.prompts) == 6
+    assert all(len(p) == PREFIX + SUFFIX for p in w.prompts) and w.prompt_lengths(4) == [PREFIX + SUFFIX] * 6
+    systems = [p[:PREFIX] for p in w.prompts]
+    assert systems[0] != systems[1] and all(systems[i] == systems[i % 2] for i in range(6))
+    assert len({tuple(p[PREFIX:]) for p in w.prompts}) == 6  # every user suffix its own
+    # The warm-up request shares no page with the run's prompts.
+    assert len(w.warmup) == 1 and all(w.warmup[0][:16] != p[:16] for p in w.prompts)
+
+
+def test_multi_turn_prompts_extend_the_previous_turn_and_its_output():
+    config = BenchConfig(model=ZOO_LLAMA, workload="multi-turn", num_prompts=3, num_turns=3, input_len=6, warmup=0)
+    w = load_workload(config)
+    assert w.source == HELD_OUT and [len(m) for m in w.messages] == [2, 2, 2]
+    llm = LLM(ZOO_LLAMA, dtype="float64", kv_cache_memory=4 << 20)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sent = []
+
+    def follow_up(c, turn, prompt, output):
+        nxt = w.follow_up(c, turn, prompt, output)
+        sent.append((c, turn, list(prompt), list(output), nxt))
+        return nxt
+
+    records, _, _, outputs = serve(llm.engine, w.prompts, params, 2, follow_up=follow_up)
+    assert [r.prompt_len for r in records] == w.prompt_lengths(4) == [6, 16, 26] * 3  # conversation by conversation
+    for c in range(3):
+        turns = [x for x in sent if x[0] == c]
+        assert [x[1] for x in turns] == [0, 1, 2]
+        prompt = w.prompts[c]
+        for _, turn, got, output, nxt in turns:
+            assert got == prompt and output == outputs[3 * c + turn]
+            prompt = nxt
+            assert nxt == (got + output + w.messages[c][turn] if turn < 2 else None)
+        mine = records[3 * c : 3 * c + 3]  # each turn arrives once the previous one's last token is out
+        assert all(b.arrival >= a.emissions[-1][0] for a, b in zip(mine, mine[1:]))
+    # The engine ran those prompts: the last turns' outputs are what LLM.generate gives for them.
+    last = [x[2] for x in sent if x[1] == 2]
+    assert [o.token_ids for o in llm.generate(last, params, use_tqdm=False)] == outputs[2::3]
+
+
+@pytest.mark.parametrize("workload, extra, hits", [
+    # Requests 0 and 1 start together; 2..5 each find their system prompt's two pages.
+    ("shared-prefix", ["--num-prompts", "6", "--num-prefixes", "2", "--prefix-len", str(PREFIX),
+                       "--input-len", str(SUFFIX), "--concurrency", "2"], 4 * PREFIX),
+    # Turn 2 finds the page of turn 1's 16-token message (turn 1 computed 16 + 3 positions: one full page).
+    ("multi-turn", ["--num-prompts", "2", "--num-turns", "2", "--input-len", "16", "--concurrency", "2",
+                    "--speculative-config", NGRAM], 2 * 16),
+])
+def test_workloads_hit_the_prefix_cache_only_with_caching_on(workload, extra, hits, capsys):
+    common = ["bench", "--model", ZOO_LLAMA, "--dtype", "float64", "--kv-cache-memory", "4M", "--output-len", "4",
+              "--workload", workload, *extra]
+    capsys.readouterr()
+    assert main([*common, "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    runs = [r for r in (on["baseline"], on["speculative"]) if r is not None]
+    queries = sum(r["prompt_len"] for r in on["baseline"]["requests"])
+    for run in runs:
+        assert run["prefix_cache"] == {"queries": queries, "hits": hits, "hit_rate": hits / queries}
+    assert on["settings"]["prompt_source"] == HELD_OUT and on["settings"]["workload"] == workload
+    if on["speculative"] is not None:
+        assert on["identical_outputs"] == on["settings"]["num_prompts"]  # lossless, whole conversations included
+    assert main([*common, "--no-enable-prefix-caching"]) == 0
+    table = capsys.readouterr().out
+    assert HELD_OUT in table.splitlines()[0]
+    assert f"0/{queries} (0.0%)" in next(line for line in table.splitlines() if line.startswith("no "))

@@ -22,23 +22,31 @@ Definitions follow vLLM's ``benchmark_serving`` (a client streaming from a serve
   over the run's duration (first hand-over to last token).
 
 Every request uses ``ignore_eos`` so both runs produce the same number of tokens. Warm-up
-requests (the first ``warmup`` prompts, cycled) run before the clock starts and are not counted,
-neither in the timings nor in the acceptance counters.
+requests (``warmup`` prompts of their own, shaped like the workload's) run before the clock starts and
+are not counted, neither in the timings nor in the acceptance or prefix-cache counters.
+
+Workloads (:mod:`specdec.bench.workload`): ``single`` prompts (a dataset's or synthetic),
+``shared-prefix`` (many requests over a few long system prompts) and ``multi-turn`` (each turn's
+prompt is the previous turn's prompt + its output + a new user message, sent once that output is
+known). Each run also reports its prefix-cache ``queries`` and ``hits`` (tokens of admitted requests
+looked up and found cached, vLLM's counters) and their ``hit_rate``.
 """
 
 from specdec.bench.config import BenchConfig
 from specdec.bench.metrics import DELTA_KEYS, RequestRecord, deltas, summarize
 from specdec.bench.runner import run_benchmark, serve
 from specdec.bench.table import format_table, progress_to_stderr
-from specdec.bench.workload import load_prompts, read_dataset, synthetic_prompts
+from specdec.bench.workload import Workload, load_prompts, load_workload, read_dataset, synthetic_prompts
 
 __all__ = [
     "DELTA_KEYS",
     "BenchConfig",
     "RequestRecord",
+    "Workload",
     "deltas",
     "format_table",
     "load_prompts",
+    "load_workload",
     "progress_to_stderr",
     "read_dataset",
     "run_benchmark",

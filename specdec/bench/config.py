@@ -7,7 +7,8 @@ from typing import Any
 import attrs
 
 from specdec.engine_args import EngineArgs, arg, engine_fields, label_with_flag, to_speculative_config
-from specdec.validation import int_at_least, non_empty_str, number_at_least
+from specdec.bench.workload import WORKLOADS
+from specdec.validation import int_at_least, non_empty_str, number_at_least, one_of
 
 
 @attrs.frozen(kw_only=True)
@@ -15,11 +16,15 @@ class BenchConfig(EngineArgs):
     """One benchmark: the engine's settings (every ``EngineArgs`` field) and the workload.
 
     - ``speculative_config``: the spec run's config (any ``LLM`` form); None runs the baseline only.
-    - Workload: ``dataset`` (a JSONL file of ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
-      lines; its first ``num_prompts`` lines, all when None) or, without one, ``num_prompts``
-      (default 16) synthetic prompts of ``input_len`` token ids drawn uniformly from the model's
-      vocabulary (special tokens left out) with ``seed``. Every request generates ``output_len``
-      tokens (``ignore_eos``) at ``temperature`` (0 = greedy).
+    - Workload (:mod:`specdec.bench.workload`): ``workload`` ``"single"`` runs ``dataset`` (a JSONL
+      file of ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` lines; its first ``num_prompts``
+      lines, all when None) or, without one, ``num_prompts`` (default 16) synthetic prompts of
+      ``input_len`` token ids drawn uniformly from the model's vocabulary (special tokens left out)
+      with ``seed``. ``"shared-prefix"``: ``num_prompts`` requests, each one of ``num_prefixes``
+      system prompts of ``prefix_len`` tokens + a user suffix of ``input_len``; ``"multi-turn"``:
+      ``num_prompts`` conversations of ``num_turns`` turns, each turn's prompt the previous turn's
+      prompt + its output + a user message of ``input_len`` (both from held-out text). Every request
+      generates ``output_len`` tokens (``ignore_eos``) at ``temperature`` (0 = greedy).
     - ``concurrency``: requests in flight at most; ``warmup``: uncounted requests run first.
     - Two engine defaults differ, to keep the default KV budget small: ``max_num_seqs`` None =
       ``concurrency``; ``max_model_len`` None = the longest prompt + ``output_len``.
@@ -30,6 +35,9 @@ class BenchConfig(EngineArgs):
     def __attrs_post_init__(self) -> None:
         if self.baseline_url is not None and self.base_url is None:
             raise ValueError("baseline_url (--baseline-url) needs base_url (--base-url): the server to compare")
+        if self.dataset is not None and self.workload != "single":
+            raise ValueError(f"dataset (--dataset) gives the single workload's prompts; --workload {self.workload} "
+                             "draws its own from held-out text")
 
     speculative_config: Any = arg(None, converter=to_speculative_config,
                                   metavar="STR", help="the spec run's config, 'method:key=value,...' or JSON "
@@ -38,13 +46,25 @@ class BenchConfig(EngineArgs):
                                    help="engine's running requests (default: --concurrency)")
     max_model_len: int | None = arg(None, validator=int_at_least(2, optional=True), metavar="N", parse=int,
                                     help="prompt + output tokens per request (default: longest prompt + --output-len)")
+    workload: str = arg("single", validator=one_of(WORKLOADS), metavar="|".join(WORKLOADS),
+                        help="single: independent prompts (--dataset's, or synthetic); shared-prefix: requests over "
+                             "--num-prefixes system prompts; multi-turn: conversations, each turn extending the last "
+                             "one's prompt and output (default: single)")
     dataset: str | None = arg(None, metavar="FILE.jsonl",
-                              help='prompts, one {"prompt": str} or {"prompt_token_ids": [...]} a line '
-                                   "(default: synthetic)")
+                              help='single workload\'s prompts, one {"prompt": str} or {"prompt_token_ids": [...]} '
+                                   "a line (default: synthetic)")
     num_prompts: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
-                                  help="prompts to run (default: 16 synthetic, or the whole dataset)")
+                                  help="requests to run, conversations with multi-turn (default: 16, or the whole "
+                                       "dataset)")
     input_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
-                         help="synthetic prompt length (default: 64)")
+                         help="tokens of a synthetic prompt, a shared-prefix user suffix or a multi-turn user "
+                              "message (default: 64)")
+    prefix_len: int = arg(256, validator=int_at_least(1), metavar="N", parse=int,
+                          help="shared-prefix: tokens of each system prompt (default: 256)")
+    num_prefixes: int = arg(4, validator=int_at_least(1), metavar="N", parse=int,
+                            help="shared-prefix: system prompts the requests share (default: 4)")
+    num_turns: int = arg(3, validator=int_at_least(2), metavar="N", parse=int,
+                         help="multi-turn: turns per conversation (default: 3)")
     output_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
                           help="tokens generated per request (default: 64)")
     concurrency: int = arg(4, validator=int_at_least(1), metavar="N", parse=int,

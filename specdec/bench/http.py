@@ -4,7 +4,8 @@ An async httpx client streams ``/v1/completions`` (token-id prompts, ``ignore_eo
 ``return_token_ids``) with at most ``concurrency`` requests in flight, as vLLM's
 ``benchmark_serving`` does: a request arrives when the concurrency limit lets it through, and each
 streamed chunk is one emission (a speculative step's tokens come in one chunk). The acceptance figures
-are the server's ``/metrics`` counters after the run minus before it.
+and prefix-cache figures are the server's ``/metrics`` counters after the run minus before it. A
+multi-turn conversation sends its turns one after another, each once the previous one's output came back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from specdec.bench.metrics import RequestRecord, summarize
+from specdec.bench.metrics import RequestRecord, prefix_cache_figures, summarize
+from specdec.bench.workload import Workload
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
@@ -81,45 +83,58 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], record
     return tokens
 
 
-async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int, temperature: float,
-                 concurrency: int, seed: int):
+async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int,
+                          temperature: float, concurrency: int, seed: int, follow_up=None):
+    """``runner.serve``'s run over HTTP, with the same arguments and results: at most ``concurrency``
+    conversations (single requests without ``follow_up``) in flight, each sending its turns one after
+    another."""
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
-    records: list[RequestRecord | None] = [None] * len(prompts)
+    records: list[list[RequestRecord]] = [[] for _ in prompts]
+    outputs: list[list[list[int]]] = [[] for _ in prompts]
 
-    async def request(i: int, client: httpx.AsyncClient) -> list[int]:
+    async def conversation(c: int, client: httpx.AsyncClient) -> None:
         async with limit:
-            records[i] = RequestRecord(len(prompts[i]), time.perf_counter())
-            body = {"model": model, "prompt": list(prompts[i]), "max_tokens": output_len, "temperature": temperature,
-                    "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": seed + i}
-            return await _one(client, url, body, records[i])
+            prompt: Sequence[int] | None = prompts[c]
+            while prompt is not None:
+                turn = len(records[c])
+                records[c].append(RequestRecord(len(prompt), time.perf_counter()))
+                body = {"model": model, "prompt": list(prompt), "max_tokens": output_len, "temperature": temperature,
+                        "ignore_eos": True, "stream": True, "return_token_ids": True,
+                        "seed": seed + c + turn * len(prompts)}
+                outputs[c].append(await _one(client, url, body, records[c][-1]))
+                prompt = follow_up(c, turn, prompt, outputs[c][-1]) if follow_up is not None else None
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         start = time.perf_counter()
-        outputs = await asyncio.gather(*[request(i, client) for i in range(len(prompts))])
+        await asyncio.gather(*[conversation(c, client) for c in range(len(prompts))])
         duration = time.perf_counter() - start
-    return records, start, duration, outputs
+    return [r for turns in records for r in turns], start, duration, [o for turns in outputs for o in turns]
 
 
-def run_over_http(base_url: str, prompts: Sequence[Sequence[int]], *, output_len: int, temperature: float,
-                  concurrency: int, warmup: int, seed: int, progress) -> dict[str, Any]:
-    """One run against the server at ``base_url``: ``summarize``'s metrics plus ``num_preemptions``,
-    ``spec_stats`` (from ``/metrics``, None without speculation), ``requests`` and ``speculative_config``."""
+def run_over_http(base_url: str, workload: Workload, *, output_len: int, temperature: float, concurrency: int,
+                  seed: int, progress) -> dict[str, Any]:
+    """One run of ``workload`` against the server at ``base_url``: ``summarize``'s metrics plus
+    ``num_preemptions``, ``prefix_cache`` and ``spec_stats`` (from ``/metrics``, None without
+    speculation), ``requests`` and ``speculative_config``. A server keeps its prefix cache across
+    runs: run a workload twice and the second finds the first's pages."""
     card = server_card(base_url)
     spec = card.get("speculative_config")
-    if warmup:
-        progress(f"warm-up: {warmup} request(s) to {base_url}")
-        warm = [prompts[i % len(prompts)] for i in range(warmup)]
-        asyncio.run(serve_over_http(base_url, card["id"], warm, output_len, temperature, concurrency, seed))
+    if workload.warmup:
+        progress(f"warm-up: {len(workload.warmup)} request(s) to {base_url}")
+        asyncio.run(serve_over_http(base_url, card["id"], workload.warmup, output_len, temperature, concurrency, seed))
     before = read_counters(base_url)
-    progress(f"{len(prompts)} requests at concurrency {concurrency} to {base_url}")
-    records, start, duration, outputs = asyncio.run(
-        serve_over_http(base_url, card["id"], prompts, output_len, temperature, concurrency, seed))
+    progress(f"{workload.description} at concurrency {concurrency} to {base_url}")
+    records, start, duration, outputs = asyncio.run(serve_over_http(
+        base_url, card["id"], workload.prompts, output_len, temperature, concurrency, seed, workload.follow_up))
     after = read_counters(base_url)
+    grew = {name: after.get(name, 0) - before.get(name, 0) for name in
+            ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
     result = summarize(records, duration)
-    result["num_preemptions"] = int(after.get("vllm:num_preemptions_total", 0) -
-                                    before.get("vllm:num_preemptions_total", 0))
+    result["num_preemptions"] = int(grew["vllm:num_preemptions_total"])
+    result["prefix_cache"] = prefix_cache_figures(grew["vllm:prefix_cache_queries_total"],
+                                                  grew["vllm:prefix_cache_hits_total"])
     result["spec_stats"] = spec_stats_between(before, after, spec["num_speculative_tokens"]) if spec else None
     result["requests"] = [r.as_dict(start) for r in records]
     result["speculative_config"] = spec

@@ -99,3 +99,9 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, An
 def deltas(baseline: dict[str, Any], spec: dict[str, Any]) -> dict[str, float | None]:
     """The spec run's relative change per table metric: (spec - baseline) / baseline; None if baseline is 0."""
     return {k: (spec[k] - baseline[k]) / baseline[k] if baseline[k] else None for k in DELTA_KEYS}
+
+
+def prefix_cache_figures(queries: int, hits: int) -> dict[str, Any]:
+    """A run's prefix-cache figures: tokens of admitted requests looked up (``queries``), found cached
+    (``hits``), and ``hit_rate`` (0 when nothing was looked up)."""
+    return {"queries": int(queries), "hits": int(hits), "hit_rate": hits / queries if queries else 0.0}

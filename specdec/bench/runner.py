@@ -8,71 +8,97 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from specdec.bench.config import BenchConfig
-from specdec.bench.metrics import RequestRecord, deltas, summarize
-from specdec.bench.workload import load_prompts, text_config
+from specdec.bench.metrics import RequestRecord, deltas, prefix_cache_figures, summarize
+from specdec.bench.workload import Workload, load_workload, text_config
+
+
+FollowUp = Callable[[int, int, Sequence[int], Sequence[int]], list[int] | None]
 
 
 def serve(
-    engine, prompts: Sequence[Sequence[int]], params, concurrency: int, clock: Callable[[], float] = time.perf_counter
+    engine, prompts: Sequence[Sequence[int]], params, concurrency: int, clock: Callable[[], float] = time.perf_counter,
+    follow_up: FollowUp | None = None,
 ) -> tuple[list[RequestRecord], float, float, list[list[int]]]:
     """Run ``prompts`` through ``engine`` with at most ``concurrency`` in flight.
 
-    Returns the records (input order), the start time, the duration (first hand-over to last
-    token) and the output token ids. Every request is validated before the clock starts (as
-    ``LLMEngine.generate`` does), so a prompt that can never run fails before any work.
+    With ``follow_up`` each prompt opens a conversation: when its turn ``t`` (from 0) finishes,
+    ``follow_up(conversation, t, prompt, output)`` gives the conversation's next prompt (None: it is
+    over), which goes in before any new conversation, so a conversation keeps its place.
+
+    Returns the records, the start time, the duration (first hand-over to last token) and the output
+    token ids, request by request in input order (conversation by conversation, turn by turn). Every
+    first request is validated before the clock starts (as ``LLMEngine.generate`` does), so a prompt
+    that can never run fails before any work.
     """
     seqs = [engine.make_sequence(p, params, index=i) for i, p in enumerate(prompts)]
-    records: list[RequestRecord | None] = [None] * len(seqs)
-    pending = deque(range(len(seqs)))
-    in_flight = 0
+    done: list[list[tuple[RequestRecord, Any]]] = [[] for _ in seqs]  # per conversation: (record, sequence)
+    pending = deque((c, seq, prompt) for c, (seq, prompt) in enumerate(zip(seqs, prompts)))
+    in_flight: dict[int, tuple[int, Sequence[int]]] = {}  # index -> (conversation, prompt)
+    next_index = len(seqs)
     start = clock()
     while pending or in_flight:
-        while pending and in_flight < concurrency:
-            i = pending.popleft()
-            records[i] = RequestRecord(len(prompts[i]), clock())
-            engine.add_sequence(seqs[i])
-            in_flight += 1
+        while pending and len(in_flight) < concurrency:
+            c, seq, prompt = pending.popleft()
+            done[c].append((RequestRecord(len(prompt), clock()), seq))
+            engine.add_sequence(seq)
+            in_flight[seq.index] = (c, prompt)
         out = engine.step()
         now = clock()
+        turns = []
         for r in out.requests:
+            c, prompt = in_flight[r.index]
+            record, seq = done[c][-1]
             if r.new_token_ids:
-                records[r.index].emissions.append((now, len(r.new_token_ids)))
-            in_flight -= r.finished
+                record.emissions.append((now, len(r.new_token_ids)))
+            if not r.finished:
+                continue
+            del in_flight[r.index]
+            nxt = follow_up(c, len(done[c]) - 1, prompt, seq.output_token_ids) if follow_up is not None else None
+            if nxt is not None:
+                turns.append((c, engine.make_sequence(nxt, params, index=next_index), nxt))
+                next_index += 1
+        pending.extendleft(reversed(turns))
     duration = clock() - start
-    return records, start, duration, [seq.output_token_ids for seq in seqs]  # type: ignore[return-value]
+    requests = [request for conversation in done for request in conversation]
+    return [r for r, _ in requests], start, duration, [seq.output_token_ids for _, seq in requests]
 
 
-def _max_model_len(config: BenchConfig, prompts: list[list[int]]) -> int:
+def _max_model_len(config: BenchConfig, workload: Workload) -> int:
     if config.max_model_len is not None:
         return config.max_model_len
-    needed = max(len(p) for p in prompts) + config.output_len
+    longest = max(workload.prompt_lengths(config.output_len))
+    needed = longest + config.output_len
     limit = getattr(text_config(config.model), "max_position_embeddings", None)
     if limit and needed > limit:
         raise ValueError(
-            f"the longest prompt ({needed - config.output_len} tokens) + --output-len {config.output_len} exceeds "
+            f"the longest prompt ({longest} tokens) + --output-len {config.output_len} exceeds "
             f"the model's max_position_embeddings ({limit}); shorten the prompts or lower --output-len"
         )
     return needed
 
 
-def _run(config: BenchConfig, spec, prompts, max_model_len: int, progress) -> dict[str, Any]:
+def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, progress) -> dict[str, Any]:
     from specdec.llm import LLM
     from specdec.sampling.params import SamplingParams
 
     llm = LLM.from_engine_args(config.engine_args(spec, max_model_len))
     params = SamplingParams(max_tokens=config.output_len, temperature=config.temperature, ignore_eos=True)
     engine = llm.engine
-    if config.warmup:
-        progress(f"warm-up: {config.warmup} request(s)")
-        warm = [prompts[i % len(prompts)] for i in range(config.warmup)]
-        serve(engine, warm, params, config.concurrency)
+    if workload.warmup:
+        progress(f"warm-up: {len(workload.warmup)} request(s)")
+        serve(engine, workload.warmup, params, config.concurrency)
         llm.reset_spec_stats()
-    progress(f"{len(prompts)} requests at concurrency {config.concurrency}")
+    progress(f"{workload.description} at concurrency {config.concurrency}")
     preempted = engine.stats.num_preemptions
-    records, start, duration, outputs = serve(engine, prompts, params, config.concurrency)
+    cache = engine.prefix_cache_stats()
+    queries, hits = cache.queries, cache.hits
+    records, start, duration, outputs = serve(engine, workload.prompts, params, config.concurrency,
+                                              follow_up=workload.follow_up)
     result = summarize(records, duration)
     # Recomputed requests slow a run down; a figure worth seeing next to the timings.
     result["num_preemptions"] = engine.stats.num_preemptions - preempted
+    cache = engine.prefix_cache_stats()
+    result["prefix_cache"] = prefix_cache_figures(cache.queries - queries, cache.hits - hits)
     stats = llm.spec_stats()
     result["spec_stats"] = stats.as_dict() if stats is not None else None
     result["requests"] = [r.as_dict(start) for r in records]
@@ -86,9 +112,10 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     """Run the baseline (and the spec run when ``config.speculative_config`` is set); one JSON-ready dict.
 
     Keys: ``settings``; ``baseline`` and ``speculative`` (None without a config): the metrics of
-    :func:`summarize` plus ``num_preemptions``, ``spec_stats`` and ``requests`` (per request:
-    ``arrival_s``, ``prompt_len``, ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``,
-    ``tokens_per_emission``);
+    :func:`summarize` plus ``num_preemptions``, ``prefix_cache`` (the run's prefix-cache ``queries``
+    and ``hits`` in tokens, and ``hit_rate``), ``spec_stats`` and ``requests`` (per request, in run
+    order (multi-turn: conversation by conversation): ``arrival_s``, ``prompt_len``, ``output_len``,
+    ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
     ``deltas`` (see :func:`deltas`); ``identical_outputs``: how many requests produced the same
     tokens in both runs (all of them, greedy in float64; lower precisions may differ by rounding).
     """
@@ -97,17 +124,23 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     if config.base_url is not None and spec is not None:
         raise ValueError("--speculative-config is the server's over HTTP: start it with one, or compare two "
                          "servers with --baseline-url")
-    prompts = load_prompts(config)
-    max_model_len = _max_model_len(config, prompts)
+    workload = load_workload(config)
+    max_model_len = _max_model_len(config, workload)
+    lengths = workload.prompt_lengths(config.output_len)
     settings = {
         "model": config.model,
         "speculative_config": spec.to_dict() if spec is not None else None,
         "attention_backend": config.attention_backend,
         "dtype": config.dtype,
         "block_size": config.block_size,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "workload": workload.name,
+        "workload_description": workload.description,
+        "prompt_source": workload.source,
         "dataset": config.dataset,
-        "num_prompts": len(prompts),
-        "mean_input_len": sum(map(len, prompts)) / len(prompts),
+        "num_prompts": len(lengths),
+        "num_conversations": len(workload.prompts),
+        "mean_input_len": sum(lengths) / len(lengths),
         "output_len": config.output_len,
         "concurrency": config.concurrency,
         "warmup": config.warmup,
@@ -116,14 +149,14 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "max_model_len": max_model_len,
     }
     if config.base_url is not None:
-        baseline, speculative = _runs_over_http(config, prompts, settings, say)
+        baseline, speculative = _runs_over_http(config, workload, settings, say)
     else:
         say("baseline (no speculation)")
-        baseline = _run(config, None, prompts, max_model_len, say)
+        baseline = _run(config, None, workload, max_model_len, say)
         speculative = None
         if spec is not None:
             say(f"speculative ({spec.method}, k={spec.num_speculative_tokens})")
-            speculative = _run(config, spec, prompts, max_model_len, say)
+            speculative = _run(config, spec, workload, max_model_len, say)
     outputs = [run.pop("_outputs") if run is not None else None for run in (baseline, speculative)]
     identical = None
     if baseline is not None and speculative is not None:
@@ -137,20 +170,20 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     }
 
 
-def _runs_over_http(config: BenchConfig, prompts, settings: dict[str, Any], say):
+def _runs_over_http(config: BenchConfig, workload: Workload, settings: dict[str, Any], say):
     """The run against ``base_url`` (and the baseline against ``baseline_url``), as (baseline, speculative):
-    a server without speculation is a baseline."""
+    a server without speculation is a baseline. The engine options are the servers'."""
     from specdec.bench.http import run_over_http
 
     common = dict(output_len=config.output_len, temperature=config.temperature, concurrency=config.concurrency,
-                  warmup=config.warmup, seed=config.seed, progress=say)
-    runs = [run_over_http(url, prompts, **common) for url in (config.baseline_url, config.base_url) if url]
+                  seed=config.seed, progress=say)
+    runs = [run_over_http(url, workload, **common) for url in (config.baseline_url, config.base_url) if url]
     for run in runs:
         spec = run.pop("speculative_config")
         if spec is not None:
             settings["speculative_config"] = spec
     settings.update(base_url=config.base_url, baseline_url=config.baseline_url, attention_backend="(server's)",
-                    dtype="(server's)")
+                    dtype="(server's)", enable_prefix_caching="(server's)")
     if len(runs) == 2:
         return runs[0], runs[1]
     return (runs[0], None) if settings["speculative_config"] is None else (None, runs[0])

@@ -1,4 +1,5 @@
-"""The seed-001 table of a benchmark result, and progress lines for a person watching."""
+"""The seed-001 table of a benchmark result (plus mean TTFT and the prefix-cache hits), and progress lines
+for a person watching."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ def _pct(value: float | None) -> str:
 
 def _triple(run: dict[str, Any], name: str) -> str:
     return "/".join(f"{run[f'{s}_{name}_ms']:.2f}" for s in ("mean", "median", "p99"))
+
+
+def _prefix_hits(run: dict[str, Any]) -> str:
+    cache = run.get("prefix_cache")
+    return "-" if cache is None else f"{cache['hits']}/{cache['queries']} ({cache['hit_rate'] * 100:.1f}%)"
 
 
 def _length(n: float) -> str:
@@ -30,6 +36,7 @@ def format_table(result: dict[str, Any]) -> str:
     header = [
         "Spec", "ISL/OSL", "Conc", "Req/s", "delta", "Total tok/s", "delta", "Output tok/s", "delta",
         "median TTFT (ms)", "delta", "TPOT mean/med/p99 (ms)", "delta", "ITL mean/med/p99 (ms)", "delta",
+        "mean TTFT (ms)", "prefix cache hits/queries",
     ]
     rows = [header]
     lengths = f"{_length(s['mean_input_len'])}/{_length(s['output_len'])}"
@@ -43,13 +50,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{run['median_ttft_ms']:.1f}", _pct(d.get("median_ttft_ms")),
             _triple(run, "tpot"), _pct(d.get("mean_tpot_ms")),
             _triple(run, "itl"), _pct(d.get("mean_itl_ms")),
+            f"{run['mean_ttft_ms']:.1f}", _prefix_hits(run),
         ])
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     where = f"server: {s['base_url']}  " if s.get("base_url") else ""
+    source = s.get("prompt_source") or ("dataset " + s["dataset"] if s.get("dataset") else "synthetic")
+    shape = f"{s['workload_description']} from " if s.get("workload_description") else ""
     lines = [
         f"{where}model: {s['model']}  backend: {s['attention_backend']}  dtype: {s['dtype']}  "
-        f"prompts: {s['num_prompts']} ({'dataset ' + s['dataset'] if s['dataset'] else 'synthetic'})  "
-        f"warm-up: {s['warmup']}",
+        f"prompts: {s['num_prompts']} ({shape}{source})  warm-up: {s['warmup']}",
     ]
     for row in rows:  # the label left-aligned, numbers right-aligned
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))

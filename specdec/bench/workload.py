@@ -1,23 +1,107 @@
-"""The benchmark's prompts: a JSONL dataset, or synthetic token ids drawn from the model's vocabulary."""
+"""The benchmark's workloads: which requests a run sends, and where their prompts come from.
+
+- ``single`` (the default): independent prompts, a JSONL dataset's or synthetic token ids drawn
+  uniformly from the model's vocabulary.
+- ``shared-prefix``: ``num_prompts`` requests over ``num_prefixes`` system prompts of ``prefix_len``
+  tokens; request ``i`` is system prompt ``i % num_prefixes`` followed by a user suffix of its own of
+  ``input_len`` tokens.
+- ``multi-turn``: ``num_prompts`` conversations of ``num_turns`` turns. Turn 1's prompt is a user
+  message of ``input_len`` tokens; turn ``n + 1``'s is turn ``n``'s prompt + turn ``n``'s generated
+  output + a new user message of ``input_len`` tokens, so a conversation's turns run one after
+  another, each once the previous one's output is known (:meth:`Workload.follow_up`).
+
+The texts of the last two are consecutive, non-overlapping windows of held-out text (the training
+corpus's validation split: Python standard-library sources and pydoc topics no zoo model trained on),
+through the model folder's tokenizer, so nothing is shared but what the workload shares; without a
+tokenizer they are synthetic token ids. Warm-up requests get prompts of their own, never a run's, so
+a run's prefix-cache hits come from its own workload only.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
 from typing import Sequence
 
-DEFAULT_SYNTHETIC_PROMPTS = 16
+import attrs
+
+DEFAULT_PROMPTS = 16
+WORKLOADS = ("single", "shared-prefix", "multi-turn")
+HELD_OUT = "held-out text (corpus validation split)"
 
 
-def synthetic_prompts(num: int, input_len: int, vocab_size: int, exclude: Sequence[int], seed: int) -> list[list[int]]:
-    """``num`` prompts of ``input_len`` ids drawn uniformly from ``range(vocab_size)`` minus ``exclude``."""
+@attrs.frozen
+class Workload:
+    """A run's requests: ``prompts`` (every request; in multi-turn, each conversation's first turn),
+    ``messages`` (multi-turn: per conversation, the user messages of turns 2, 3, ...; else empty),
+    ``warmup`` (the uncounted requests' prompts), and for a person reading the results, ``description``
+    (its shape) and ``source`` (where its prompts come from)."""
+
+    name: str
+    prompts: list[list[int]]
+    warmup: list[list[int]]
+    description: str
+    source: str
+    messages: list[list[list[int]]] = attrs.Factory(list)
+
+    def follow_up(self, conversation: int, turn: int, prompt: Sequence[int], output: Sequence[int]) -> list[int] | None:
+        """The next prompt of ``conversation`` once its turn ``turn`` (from 0) turned ``prompt`` into
+        ``output``: prompt + output + the next user message; None when the conversation is over."""
+        later = self.messages[conversation] if self.messages else ()
+        return [*prompt, *output, *later[turn]] if turn < len(later) else None
+
+    def prompt_lengths(self, output_len: int) -> list[int]:
+        """Every request's prompt length in run order (conversation by conversation, turn by turn),
+        each request generating ``output_len`` tokens."""
+        lengths = []
+        for conversation, prompt in enumerate(self.prompts):
+            n = len(prompt)
+            lengths.append(n)
+            for message in self.messages[conversation] if self.messages else ():
+                n += output_len + len(message)
+                lengths.append(n)
+        return lengths
+
+
+def synthetic_windows(lengths: Sequence[int], vocab_size: int, exclude: Sequence[int], seed: int) -> list[list[int]]:
+    """One list of ids per length, drawn uniformly from ``range(vocab_size)`` minus ``exclude``."""
     skip = set(exclude)
     allowed = [t for t in range(vocab_size) if t not in skip]
     if not allowed:
         raise ValueError("the model's vocabulary holds only special tokens; pass --dataset with real prompts")
     rng = random.Random(seed)
-    return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(num)]
+    return [[rng.choice(allowed) for _ in range(n)] for n in lengths]
+
+
+def synthetic_prompts(num: int, input_len: int, vocab_size: int, exclude: Sequence[int], seed: int) -> list[list[int]]:
+    """``num`` prompts of ``input_len`` ids drawn uniformly from ``range(vocab_size)`` minus ``exclude``."""
+    return synthetic_windows([input_len] * num, vocab_size, exclude, seed)
+
+
+@functools.cache
+def _held_out_texts() -> tuple[str, ...]:
+    from specdec.train.corpus import load_documents
+
+    return tuple(doc.text for doc in load_documents("validation"))
+
+
+def held_out_windows(tokenizer, lengths: Sequence[int]) -> list[list[int]]:
+    """Consecutive, non-overlapping windows of ``lengths`` tokens of held-out text (no special tokens)."""
+    need, stream = sum(lengths), []
+    for text in _held_out_texts():
+        if len(stream) >= need:
+            break
+        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if len(stream) < need:
+        raise ValueError(f"the held-out text holds {len(stream)} tokens, fewer than the {need} this workload needs; "
+                         "lower --num-prompts, --input-len, --prefix-len or --num-turns")
+    windows, start = [], 0
+    for n in lengths:
+        windows.append(stream[start : start + n])
+        start += n
+    return windows
 
 
 def read_dataset(path: str | Path, tokenizer, limit: int | None) -> list[list[int]]:
@@ -84,19 +168,53 @@ def _ids(value) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def load_prompts(config) -> list[list[int]]:
-    """The prompts of a :class:`~specdec.bench.config.BenchConfig` as token ids (the dataset's or synthetic)."""
-    from specdec.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(config.model)
-    if config.dataset is not None:
-        return read_dataset(config.dataset, tokenizer, config.num_prompts)
-    text = text_config(config.model)
+def _synthetic(model: str, tokenizer, lengths: Sequence[int], seed: int) -> list[list[int]]:
+    """Synthetic prompts of ``lengths`` over the model's vocabulary, special tokens left out."""
+    text = text_config(model)
     vocab = int(text.vocab_size)
     special = _ids(getattr(text, "bos_token_id", None)) + _ids(getattr(text, "eos_token_id", None))
     special += _ids(getattr(text, "pad_token_id", None))
     if tokenizer is not None:
         vocab = min(vocab, len(tokenizer))
         special += list(tokenizer.all_special_ids)
-    num = config.num_prompts or DEFAULT_SYNTHETIC_PROMPTS
-    return synthetic_prompts(num, config.input_len, vocab, special, config.seed)
+    return synthetic_windows(lengths, vocab, special, seed)
+
+
+def load_workload(config) -> Workload:
+    """The :class:`Workload` of a :class:`~specdec.bench.config.BenchConfig` (see the module docstring)."""
+    from specdec.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    n, warmup, input_len = config.num_prompts or DEFAULT_PROMPTS, config.warmup, config.input_len
+    if config.workload == "single":
+        if config.dataset is not None:
+            prompts = read_dataset(config.dataset, tokenizer, config.num_prompts)
+            warm = _synthetic(config.model, tokenizer, [len(prompts[i % len(prompts)]) for i in range(warmup)],
+                              config.seed + 1)
+            return Workload("single", prompts, warm, "single prompts", f"dataset {config.dataset}")
+        ids = _synthetic(config.model, tokenizer, [input_len] * (n + warmup), config.seed)
+        return Workload("single", ids[:n], ids[n:], f"single prompts of {input_len} tokens", "synthetic token ids")
+    if config.workload == "shared-prefix":
+        k = config.num_prefixes
+        lengths = [config.prefix_len] * k + [input_len] * n + [config.prefix_len + input_len] * warmup
+    else:
+        k = config.num_turns
+        lengths = [input_len] * (n * k + warmup)
+    if tokenizer is not None:
+        windows, source = held_out_windows(tokenizer, lengths), HELD_OUT
+    else:
+        windows, source = _synthetic(config.model, None, lengths, config.seed), "synthetic token ids (no tokenizer)"
+    if config.workload == "shared-prefix":
+        systems, suffixes = windows[:k], windows[k : k + n]
+        prompts = [systems[i % k] + suffixes[i] for i in range(n)]
+        shape = f"{n} requests over {k} system prompts of {config.prefix_len} tokens + user suffixes of {input_len}"
+        return Workload("shared-prefix", prompts, windows[k + n :], shape, source)
+    conversations = [windows[c * k : (c + 1) * k] for c in range(n)]
+    shape = f"{n} conversations of {k} turns, user messages of {input_len} tokens"
+    return Workload("multi-turn", [c[0] for c in conversations], windows[n * k :], shape, source,
+                    [c[1:] for c in conversations])
+
+
+def load_prompts(config) -> list[list[int]]:
+    """The prompts of a :class:`~specdec.bench.config.BenchConfig`'s workload (multi-turn: the first turns)."""
+    return load_workload(config).prompts

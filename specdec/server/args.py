@@ -34,8 +34,6 @@ VLLM_ONLY: dict[str, tuple[bool, str]] = {
     "--reasoning-parser": (True, "reasoning is not separated from the answer; it is served as text"),
     "--language-model-only": (False, "only language models are served"),
     "--additional-config": (True, "no platform plug-in reads it"),
-    "--enable-prefix-caching": (False, "prefix caching is not implemented yet: every prompt is computed"),
-    "--no-enable-prefix-caching": (False, "prefix caching is not implemented yet: every prompt is computed"),
     "--kv-cache-dtype": (True, "the KV cache is kept in the model's dtype"),
     "--tensor-parallel-size": (True, "one process serves the model"),
     "--disable-log-requests": (False, "requests are not logged"),

@@ -48,17 +48,21 @@ class Delta:
 
 @attrs.frozen
 class EngineSnapshot:
-    """The engine's gauges after a change: what ``/metrics`` shows."""
+    """The engine's gauges and running totals after a change: what ``/metrics`` shows. The totals
+    (preemptions, prefix-cache queries and hits, in tokens) count since the engine was built."""
 
     running: int
     waiting: int
     kv_usage: float
     num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
+        prefix = engine.prefix_cache_stats()
         return cls(len(engine.running_ids()), engine.num_waiting(), engine.cache.usage(),
-                   engine.stats.num_preemptions)
+                   engine.stats.num_preemptions, prefix.queries, prefix.hits)
 
 
 # ----- commands, front end -> core -----

@@ -1,9 +1,11 @@
 """The server's Prometheus metrics (vLLM's names) and its periodic stats log line.
 
-Counters follow vLLM's definitions (shared/reference/FACTS.md section 1) and are counted per request
-and step from the engine's :class:`~specdec.outputs.StepOutput`, so after a run they equal the sums of
-the per-request figures the responses carry. While the engine is busy, every ``interval`` seconds one
-line gives the interval's throughput and acceptance, in the form the seeds quote::
+Counters follow vLLM's definitions (shared/reference/FACTS.md section 1). The speculative ones are
+counted per request and step from the engine's :class:`~specdec.outputs.StepOutput`, so after a run
+they equal the sums of the per-request figures the responses carry; the engine's own totals
+(preemptions, prefix-cache queries and hits, in tokens) follow its
+:class:`~specdec.server.engine_core.EngineSnapshot`. While the engine is busy, every ``interval``
+seconds one line gives the interval's throughput and acceptance, in the form the seeds quote::
 
     SpecDecoding metrics: Mean acceptance length: 2.83, Accepted throughput: 51.2 tokens/s, Drafted
     throughput: 81.0 tokens/s, Accepted: 256 tokens, Drafted: 405 tokens, Per-position acceptance rate:
@@ -43,12 +45,16 @@ class ServerMetrics:
         self.accepted_per_pos = [per_pos.labels(name, str(i)) for i in range(num_speculative_tokens)]
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens computed.").labels(name)
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(name)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.prefix_queries.labels(name)
-        self.prefix_hits.labels(name)
         self.step_errors = counter("specdec:engine_step_errors", "Engine steps that raised.").labels(name)
-        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (recomputed later).").labels(name)
+        # The engine's own running totals (EngineSnapshot fields), advanced by what they grew.
+        self._totals = {
+            "num_preemptions": counter("vllm:num_preemptions", "Requests preempted (recomputed later).").labels(name),
+            "prefix_cache_queries": counter("vllm:prefix_cache_queries",
+                                            "Tokens of admitted requests looked up in the prefix cache.").labels(name),
+            "prefix_cache_hits": counter("vllm:prefix_cache_hits",
+                                         "Tokens of admitted requests found in the prefix cache.").labels(name),
+        }
+        self._seen = dict.fromkeys(self._totals, 0)
         def gauge(metric: str, doc: str) -> Gauge:
             return Gauge(metric, doc, labelnames=["model_name"], registry=self.registry).labels(name)
 
@@ -58,7 +64,6 @@ class ServerMetrics:
         self.interval = interval
         self._window = _Window(num_speculative_tokens)
         self._logged_at = self._last_step = time.monotonic()
-        self._preemptions_seen = 0
 
     def on_step(self, out: StepOutput, snapshot: EngineSnapshot, seconds: float) -> None:
         now = time.monotonic()
@@ -84,12 +89,14 @@ class ServerMetrics:
             self._window = _Window(len(self.accepted_per_pos))
 
     def observe(self, snapshot: EngineSnapshot) -> None:
-        """Set the gauges (and the preemption counter) from the engine's latest figures."""
+        """Set the gauges, and the counters of the engine's totals, from its latest figures."""
         self.running.set(snapshot.running)
         self.waiting.set(snapshot.waiting)
         self.kv_usage.set(snapshot.kv_usage)
-        self.preemptions.inc(snapshot.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = snapshot.num_preemptions
+        for field, metric in self._totals.items():
+            total = getattr(snapshot, field)
+            metric.inc(total - self._seen[field])
+            self._seen[field] = total
 
     def on_admitted(self, num_prompt_tokens: int, snapshot: EngineSnapshot) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -100,9 +107,11 @@ class ServerMetrics:
 
     def _log(self, seconds: float, snapshot: EngineSnapshot) -> None:
         w = self._window
+        queries = snapshot.prefix_cache_queries
+        hit_rate = snapshot.prefix_cache_hits / queries if queries else 0.0
         log.info("Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d reqs, "
-                 "KV cache usage: %.1f%%", w.generated / seconds, snapshot.running, snapshot.waiting,
-                 100 * snapshot.kv_usage)
+                 "KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%", w.generated / seconds, snapshot.running,
+                 snapshot.waiting, 100 * snapshot.kv_usage, 100 * hit_rate)
         if w.drafts:
             rates = ", ".join(f"{a / w.drafts:.3f}" for a in w.per_position)
             log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.1f tokens/s, "

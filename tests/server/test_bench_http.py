@@ -35,6 +35,21 @@ def test_bench_over_http_with_a_baseline_server(plain_server, spec_server, llama
     assert table.startswith(f"server: {spec_server.base}") and "acceptance per position: " in table
 
 
+def test_multi_turn_over_http_hits_the_servers_prefix_cache(plain_server, llama, capsys):
+    before = plain_server.metrics()
+    assert main(["bench", "--model", llama, "--base-url", plain_server.base, "--workload", "multi-turn",
+                 "--num-prompts", "2", "--num-turns", "2", "--input-len", "16", "--output-len", "4",
+                 "--concurrency", "2", "--warmup", "0", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["baseline"]
+    after = plain_server.metrics()
+    # Turn 2 is turn 1's 16-token message + its 4 tokens + a new message, and finds turn 1's full page.
+    assert [r["prompt_len"] for r in run["requests"]] == [16, 36, 16, 36]
+    grew = {k: after[f"vllm:prefix_cache_{k}_total"] - before[f"vllm:prefix_cache_{k}_total"]
+            for k in ("queries", "hits")}
+    assert run["prefix_cache"] == {**grew, "hit_rate": grew["hits"] / grew["queries"]}
+    assert grew == {"queries": 104, "hits": 32}
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--base-url", "http://127.0.0.1:{port}"], "no specdec server answers"),
     (["--baseline-url", "http://127.0.0.1:{port}"], "needs base_url"),

@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from live_server import MEMORY, LiveServer
 from specdec import LLM, SamplingParams
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n"]
@@ -117,3 +118,17 @@ def test_models_tokenizer_routes_and_health(plain_server, reference):
     info = httpx.get(f"{base}/tokenizer_info").json()
     assert info["eos_token"] == "</s>" and info["chat_template"]
     assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_shared_prompt_prefixes_hit_the_prefix_cache_and_metrics_say_so(llama):
+    # A server stepping its engine in this process, so the engine's own figures can be read.
+    prefix = PROMPTS[1] * 8  # about 100 tokens: several 16-token pages
+    with LiveServer(llama, "--dtype", "float64", "--kv-cache-memory", MEMORY, in_thread=True) as server:
+        for suffix in ("def add(a, b):\n", "class Queue:\n"):  # one after the other: the first one's pages are cached
+            body = {"prompt": prefix + suffix, "max_tokens": 4, "temperature": 0}
+            assert httpx.post(f"{server.base}/v1/completions", json=body).status_code == 200
+        metrics = server.settled()
+        engine = server.server.llm.prefix_cache_stats()
+    queries, hits = metrics["vllm:prefix_cache_queries_total"], metrics["vllm:prefix_cache_hits_total"]
+    assert (queries, hits) == (engine["queries"], engine["hits"])
+    assert hits >= 64 and queries == metrics["vllm:prompt_tokens_total"]  # nothing was preempted and recomputed

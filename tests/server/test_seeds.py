@@ -26,7 +26,7 @@ SEEDS = {
          "--speculative-config.num_speculative_tokens", "3"],
         ",num_concurrent=64,max_retries=3,tokenized_requests=False,trust_remote_code=True",
         ["--num_fewshot", "5"],
-        9,  # flags warned about
+        8,  # flags warned about
     ),
     # seed 001: MiniMax-M3 with its EAGLE3 draft
     "minimax": (
@@ -39,7 +39,7 @@ SEEDS = {
         ",tokenizer_backend=None,tokenized_requests=False,num_concurrent=128,max_retries=10,max_gen_toks=2048,"
         "timeout=60000",
         ["--batch_size", "auto", "--num_fewshot", "20"],
-        7,  # 6 flags warned about, and --max-model-len capped at the model's 8192
+        6,  # 5 flags warned about, and --max-model-len capped at the model's 8192
     ),
 }
 
@@ -100,3 +100,15 @@ def test_the_dotted_form_is_the_json_form():
         "m", "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})])
     assert dotted.speculative_config == plain.speculative_config
     assert dotted.speculative_config.prompt_lookup_min == 3
+
+
+@pytest.mark.parametrize("flag, enabled", [
+    (None, True), ("--enable-prefix-caching", True), ("--enable_prefix_caching", True),
+    ("--no-enable-prefix-caching", False), ("--no_enable_prefix_caching", False),
+])
+def test_prefix_caching_flags_reach_the_engine_without_a_warning(flag, enabled):
+    from specdec.cli import _Parser
+    from specdec.server.args import build_parser, parse_server_args
+
+    args, warnings = parse_server_args(build_parser(_Parser(prog="x")), ["m", *([flag] if flag else [])])
+    assert args.enable_prefix_caching is enabled and warnings == []

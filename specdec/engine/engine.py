@@ -261,7 +261,10 @@ class LLMEngine:
             return StepOutput(self.stats.num_steps)
         self._admit(seqs, batch.reuse)
 
-        starts = [self.cache.num_tokens(seq.seq_id, TARGET_POOL) for seq in seqs]
+        # An admitted request may recompute the last reused positions (for the proposer's hidden states).
+        recomputed = {r: m.num_recomputed for r, m in batch.reuse.items()}
+        starts = [self.cache.num_tokens(seq.seq_id, TARGET_POOL) - recomputed.get(seq.seq_id, 0)
+                  for seq in seqs]
         ends = [s + n for s, n in zip(starts, batch.num_new_tokens)]
         samples = [end == seq.num_tokens for seq, end in zip(seqs, ends)]
         drafts = self._propose(seqs, batch.max_drafts)

@@ -8,8 +8,12 @@ the longest prefix its pools hold:
 
 - the target's pools reuse one common length, a multiple of each of their page sizes;
 - the proposer's own pools (one model: one common length) reuse what they hold; when the proposer
-  drafts from the target's hidden states (``ProposerPools.reuse_lead``), the target reuses no further
-  than ``own - lead``, so every state the draft still needs is computed by the target's forward;
+  drafts from the target's hidden states (``ProposerPools.reuse_lead``), the target must compute its
+  states from position ``own - lead`` on. Where its reuse goes further (a shifted draft's page whose
+  successor token differs, or an unshifted draft's boundary), the target *recomputes* those rows:
+  it reads their KV from the cached pages and runs them only for their hidden states (their KV goes
+  to scratch slots), so the hit rate stays the plain engine's. A chunk budget too small to hold the
+  recomputed rows falls back to reusing less;
 - prompt-free pools (a draft reading the prompt's KV from the target) hold no prompt and are not cached;
   their rows start at the prompt's end, so a recomputed request reuses no further than its prompt.
 
@@ -40,6 +44,7 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    recomputed: int = 0  # reused positions the target ran again for a proposer's hidden states (a cost)
 
     @property
     def hit_rate(self) -> float:
@@ -51,10 +56,15 @@ class PrefixCacheStats:
 
 @attrs.frozen
 class PrefixMatch:
-    """What a request reuses: ``num_cached_tokens`` target positions, and per pool the cached pages."""
+    """What a request reuses: ``num_cached_tokens`` target positions, and per pool the cached pages.
+
+    ``num_recomputed``: of the reused target positions, the last ones the target runs again for their
+    hidden states (the proposer's draft pages end there); its first forward starts at
+    ``num_cached_tokens - num_recomputed``."""
 
     num_cached_tokens: int
     blocks: Mapping[str, tuple[int, ...]]
+    num_recomputed: int = 0
 
 
 class PrefixCaching:
@@ -81,8 +91,9 @@ class PrefixCaching:
         self._chains: dict[Hashable, dict[int, PageKeyChain]] = {}
 
     # ----- admission -----
-    def match(self, seq: Sequence) -> PrefixMatch | None:
-        """The longest prefix ``seq`` can reuse now (None: nothing); reads the cache, changes nothing."""
+    def match(self, seq: Sequence, max_recompute: float = math.inf) -> PrefixMatch | None:
+        """The longest prefix ``seq`` can reuse now (None: nothing), recomputing at most ``max_recompute``
+        target rows; reads the cache, changes nothing."""
         if not self.enabled or seq.params.prompt_logprobs is not None:
             return None
         limit = seq.num_tokens - 1  # the last token is always computed
@@ -94,13 +105,16 @@ class PrefixCaching:
             # recomputed request (preempted with output) computes its output positions again.
             own = seq.num_prompt_tokens if own is None else self._align(min(own, seq.num_prompt_tokens), self._own)
         target = self._group_length(self._target, found)
+        recompute = 0
         if own is not None and self._lead is not None:
-            target = self._align(min(target, own - self._lead), self._target)
+            recompute = max(0, min(target, target - own + self._lead))
+            if recompute > max_recompute:
+                target, recompute = self._align(min(target, own - self._lead), self._target), 0
         lengths = {**{name: target for name in self._target}, **{name: own for name in self._own}}
         blocks = {name: tuple(found[name][: lengths[name] // bs]) for name, bs in self._block_size.items()}
         if not any(blocks.values()):
             return None
-        return PrefixMatch(target, {name: b for name, b in blocks.items() if b})
+        return PrefixMatch(target, {name: b for name, b in blocks.items() if b}, recompute)
 
     def admit(self, seq: Sequence, match: PrefixMatch | None) -> None:
         """Start an admitted request's pools with the pages it reuses, and count the lookup."""
@@ -108,6 +122,7 @@ class PrefixCaching:
         if match is None:
             return
         self.stats.hits += match.num_cached_tokens
+        self.stats.recomputed += match.num_recomputed
         for name, blocks in match.blocks.items():
             self.cache.adopt(seq.seq_id, name, blocks)
 

@@ -164,11 +164,14 @@ class Scheduler:
         if not batch.preempted:
             while self.waiting and len(self.running) < self.config.max_num_seqs and left > 0:
                 seq = self.waiting[0]
-                match = self._prefix.match(seq) if self._prefix is not None else None
+                # Rows the target recomputes at reused positions must fit this step's chunk.
+                match = self._prefix.match(seq, left - 1) if self._prefix is not None else None
                 cached = match.num_cached_tokens if match is not None else 0
-                rows, drafts = self._rows(seq, seq.num_tokens - cached, left, whole=not batch.seqs)
+                recompute = match.num_recomputed if match is not None else 0
+                rows, drafts = self._rows(seq, seq.num_tokens - cached + recompute, left, whole=not batch.seqs)
                 if rows == 0:
                     break
+                # The forward appends all its rows before giving the recomputed ones' slots back.
                 need = self._blocks_needed(seq, cached + rows + drafts, match)
                 if not _fits(need, free):
                     break

@@ -90,11 +90,21 @@ class ModelRunner:
         return self.context(layout), layout.positions
 
     def context(self, layout: StepLayout) -> ForwardContext:
-        """Allocate the layout's slots in every pool and build the forward context."""
+        """Allocate the layout's slots in every pool and build the forward context.
+
+        A request whose rows start before its cached length *recomputes* those positions (their KV is
+        in the cache, maybe in shared read-only pages; the rows run for their hidden states): their KV
+        goes to scratch slots, the last of the ones appended, which are given back at once. Nothing
+        reads them: the pages end before them, and a page freed here is written before it is read."""
         slots: dict[str, list[torch.Tensor]] = {name: [] for name in self.pool_names}
-        for request, rows in zip(layout.requests, layout.query_lens):
-            for name, s in self.cache.append_slots(request, rows, self.pool_names).items():
-                slots[name].append(s)
+        primary = self.pool_names[0]
+        for request, start, rows in zip(layout.requests, layout.start_positions, layout.query_lens):
+            recompute = self.cache.num_tokens(request, primary) - start
+            appended = self.cache.append_slots(request, rows, self.pool_names)
+            if recompute:
+                self.cache.truncate(request, start + rows, self.pool_names)
+            for name, s in appended.items():
+                slots[name].append(torch.cat([s[rows - recompute :], s[: rows - recompute]]) if recompute else s)
         ends = layout.seq_lens
         metadata = {
             name: paged_metadata(

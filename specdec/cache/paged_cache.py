@@ -173,6 +173,11 @@ class PagedKVCache:
             if total > pool.num_blocks:
                 self.check_fits(new_len, [name])
             need = total - (len(seq.blocks) if seq else 0)
+            if seq is not None and seq.num_stored % pool.block_size and self._is_frozen(name, seq.blocks[-1]):
+                raise KVCacheError(
+                    f"request {request!r} would write into page {seq.blocks[-1]} of pool {name!r}, which is shared "
+                    "or prefix-cached; cached pages are read-only"
+                )
             if need > self._allocators[name].num_free:
                 raise OutOfBlocksError(f"pool {name!r} has too few free blocks for {num_new} more tokens")
             plan.append((name, pool, need))
@@ -180,11 +185,6 @@ class PagedKVCache:
         for name, pool, need in plan:
             allocator = self._allocators[name]
             seq = seqs.setdefault(name, _PoolSequence())
-            if seq.num_stored % pool.block_size and self._is_frozen(name, seq.blocks[-1]):
-                raise KVCacheError(
-                    f"request {request!r} would write into page {seq.blocks[-1]} of pool {name!r}, which is shared "
-                    "or prefix-cached; cached pages are read-only"
-                )
             for _ in range(need):
                 seq.blocks.append(allocator.allocate())
             seq.num_tokens += num_new
@@ -360,7 +360,8 @@ class PagedKVCache:
         """Release every page ``request`` holds in every pool (finish or preemption)."""
         for name, seq in self._seqs.pop(request, {}).items():
             allocator = self._allocators[name]
-            for block in seq.blocks:
+            # Tail first: eviction (least recently freed first) then takes a chain's tail before its head.
+            for block in reversed(seq.blocks):
                 allocator.free(block)
 
     def num_tokens(self, request: Hashable, pool: str) -> int:

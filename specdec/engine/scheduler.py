@@ -209,7 +209,7 @@ class Scheduler:
         for name, bs in self._block_sizes.items():
             pages = -(-max(0, num_tokens - cache.sequence_start(sid, name)) // bs) - cache.blocks_held(sid, name)
             reused = match.blocks.get(name, ()) if match is not None else ()
-            need[name] = pages - len(reused) + (cache.num_evictable(name, reused) if reused else 0)
+            need[name] = max(0, pages - len(reused)) + (cache.num_evictable(name, reused) if reused else 0)
         return need
 
     def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:

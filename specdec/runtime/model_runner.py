@@ -98,13 +98,17 @@ class ModelRunner:
         reads them: the pages end before them, and a page freed here is written before it is read."""
         slots: dict[str, list[torch.Tensor]] = {name: [] for name in self.pool_names}
         primary = self.pool_names[0]
+        give_back = []
         for request, start, rows in zip(layout.requests, layout.start_positions, layout.query_lens):
             recompute = self.cache.num_tokens(request, primary) - start
             appended = self.cache.append_slots(request, rows, self.pool_names)
             if recompute:
-                self.cache.truncate(request, start + rows, self.pool_names)
+                give_back.append((request, start + rows))
             for name, s in appended.items():
                 slots[name].append(torch.cat([s[rows - recompute :], s[: rows - recompute]]) if recompute else s)
+        # Only after every request has its slots: a page given back must not go to another row of this forward.
+        for request, length in give_back:
+            self.cache.truncate(request, length, self.pool_names)
         ends = layout.seq_lens
         metadata = {
             name: paged_metadata(

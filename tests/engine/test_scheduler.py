@@ -63,15 +63,65 @@ def test_admits_up_to_max_num_seqs_and_mixes_prefill_with_decode():
     assert [s.seq_id for s in batch.seqs] == [2]
 
 
-def test_token_budget_limits_prefills_but_lets_a_long_one_run_alone():
+def _run_chunked_step(scheduler: Scheduler, cache: PagedKVCache):
+    """:func:`_run_step` for steps that may hold prompt chunks: a request computes its scheduled rows
+    (plus drafts); only one whose rows reach its last token emits. Returns (batch, rows per request)."""
+    batch = scheduler.schedule()
+    for seq in batch.preempted:
+        cache.free(seq.seq_id)
+    rows = []
+    for seq, new, drafts in zip(batch.seqs, batch.num_new_tokens, batch.max_drafts):
+        cached = cache.num_tokens(seq.seq_id, "target")
+        rows.append(new + drafts)
+        cache.append_slots(seq.seq_id, new + drafts)  # must never raise: the scheduler reserved it
+        if cached + new < seq.num_tokens:
+            assert drafts == 0, "a chunk that ends mid-prompt carries no drafts"
+            continue
+        assert cached + new == seq.num_tokens
+        seq.append([7])
+        if seq.is_finished:
+            scheduler.finish(seq)
+            cache.free(seq.seq_id)
+        else:
+            cache.truncate(seq.seq_id, seq.num_tokens - 1)
+    return batch, rows
+
+
+def test_token_budget_chunks_a_long_prefill_and_schedules_decodes_first():
     cache = _cache(1000)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10))
     scheduler.bind(cache, "target")
-    for i, n in enumerate([12, 4, 4, 4]):
-        scheduler.add(_seq(i, n))
-    assert [s.seq_id for s in _run_step(scheduler, cache).seqs] == [0]  # 12 > 10, but alone
-    # Next: one decode token, then prefills of 4 + 4 (1 + 8 <= 10); the third waits.
-    assert [s.seq_id for s in _run_step(scheduler, cache).seqs] == [0, 1, 2]
+    seqs = [_seq(i, n) for i, n in enumerate([12, 4, 4, 4])]
+    for s in seqs:
+        scheduler.add(s)
+
+    def step():
+        batch, rows = _run_chunked_step(scheduler, cache)
+        return [s.seq_id for s in batch.seqs], batch.num_new_tokens, rows
+
+    # 12 > 10: the first 10 prompt tokens, alone; nothing sampled yet.
+    assert step() == ([0], [10], [10])
+    assert seqs[0].output_token_ids == [] and cache.num_tokens(0, "target") == 10
+    # Its last 2 prompt tokens (it samples now), then two 4-token prefills fill the budget; the fourth waits.
+    assert step() == ([0, 1, 2], [2, 4, 4], [2, 4, 4])
+    assert seqs[0].output_token_ids == [7] and seqs[3].status is SequenceStatus.WAITING
+    # Three decodes first, then the fourth prompt.
+    assert step() == ([0, 1, 2, 3], [1, 1, 1, 4], [1, 1, 1, 4])
+
+    # A prompt longer than the budget left beside decodes runs in chunks of what is left, decodes first
+    # whatever the admission order.
+    long = _seq(4, 25)
+    scheduler.add(long)
+    assert step() == ([0, 1, 2, 3, 4], [1, 1, 1, 1, 6], [1, 1, 1, 1, 6])
+    scheduler.running.reverse()  # the chunked prompt ahead of the decodes in admission order
+    assert step() == ([3, 2, 1, 0, 4], [1, 1, 1, 1, 6], [1, 1, 1, 1, 6])
+    assert step() == ([3, 2, 1, 0, 4], [1, 1, 1, 1, 6], [1, 1, 1, 1, 6])
+    assert long.output_token_ids == [] and cache.num_tokens(4, "target") == 18
+    assert step() == ([3, 2, 1, 0, 4], [1, 1, 1, 1, 6], [1, 1, 1, 1, 6])
+    assert long.output_token_ids == [] and cache.num_tokens(4, "target") == 24
+    # Its last prompt token is one row like a decode's, in running order; now it samples.
+    assert step() == ([4, 3, 2, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1])
+    assert long.output_token_ids == [7] and cache.num_tokens(4, "target") == 25
 
 
 def test_preempts_the_newest_request_and_recomputes_it_later():

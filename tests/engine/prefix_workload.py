@@ -24,7 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proposers"))
-from eagle3_oracle import save_deepseek_target, save_minimax_m3_target, write_oracle_draft  # noqa: E402
+from eagle3_oracle import (  # noqa: E402
+    save_deepseek_target,
+    save_llama_mha_target,
+    save_minimax_m3_target,
+    write_oracle_draft,
+)
 from eagle3_reference import DraftSpec  # noqa: E402
 
 from specdec import LLM, SamplingParams  # noqa: E402
@@ -46,21 +51,6 @@ CASES = [(t, p) for t, ps in PROPOSERS.items() for p in ps]
 CACHED_DRAFT_POOLS = {"draft_model", "eagle3", "eagle3-unshifted-own"}
 
 
-def save_llama_mha_target(folder: Path, *, scale: float = 25.0, seed: int = 0) -> Path:
-    """A nearly bigram Llama (scaled embeddings, like eagle3_oracle's) with kv heads = heads = 4."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, initializer_range=0.1,
-    )
-    model = LlamaForCausalLM(config).double()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(scale)
-    model.save_pretrained(folder)
-    return folder
 
 
 DRAFT_SPECS = {

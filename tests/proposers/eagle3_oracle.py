@@ -194,3 +194,22 @@ def write_oracle_draft(folder: Path, spec: DraftSpec, target_folder: Path, seed:
     weights = oracle_weights(spec, target_folder, seed=seed, mix=mix)
     write_draft(folder, spec, weights)
     return weights
+
+
+def save_llama_mha_target(folder, *, num_layers: int = 4, max_positions: int = 512, scale: float = 25.0,
+                          seed: int = 0):
+    """A nearly bigram Llama (scaled embeddings, like the targets above) with kv heads = heads = 4 and
+    head_dim 8, so an EAGLE3 draft's KV layout matches its layers' (KV sharing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.1,
+    )
+    model = LlamaForCausalLM(config).double()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(scale)
+    model.save_pretrained(folder)
+    return folder

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from eagle3_oracle import save_deepseek_target, target_output_weights, write_oracle_draft
+from eagle3_oracle import save_deepseek_target, save_llama_mha_target, target_output_weights, write_oracle_draft
 from eagle3_reference import (
     DraftSpec,
     Reference,
@@ -59,21 +59,6 @@ SPECS = {
 DEFAULT_LAYER = {"llama": LLAMA_LAYERS - 1, "deepseek": 2}
 
 
-def save_llama_mha_target(folder, *, scale: float = 25.0, seed: int = 0):
-    """A nearly bigram Llama (scaled embeddings, like eagle3_oracle's) with kv heads = heads = 4, head_dim 8."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, initializer_range=0.1,
-    )
-    model = LlamaForCausalLM(config).double()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(scale)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +68,7 @@ def setup(tmp_path_factory):
     every key (the oracle's attends almost only to rows of its own token, so what it reads at prompt
     positions barely shows)."""
     root = tmp_path_factory.mktemp("unshifted")
-    targets = {"llama": save_llama_mha_target(root / "llama"), "deepseek": save_deepseek_target(root / "deepseek")}
+    targets = {"llama": save_llama_mha_target(root / "llama", num_layers=LLAMA_LAYERS, max_positions=256), "deepseek": save_deepseek_target(root / "deepseek")}
     out = {}
     for name, folder in targets.items():
         embed, lm_head = target_output_weights(folder)

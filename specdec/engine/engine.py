@@ -283,12 +283,10 @@ class LLMEngine:
         if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in sampling_seqs):
             sampling = SamplingBatch.for_sequences(sampling_seqs, self.device) if sampling_seqs else None
         emitted, num_accepted = [[] for _ in seqs], [0] * len(seqs)
-        if not sampling_seqs:
-            pass
-        elif drafts is None:
+        if drafts is None and sampling_seqs:
             for i, token in zip(layout.sampling, self.sampler.sample(logits, sampling).tolist()):
                 emitted[i] = [token]
-        else:
+        elif drafts is not None:  # a request with drafts always samples
             accepted, verified = self._verify(logits, layout, drafts, sampling)
             for j, i in enumerate(layout.sampling):
                 num_accepted[i], emitted[i] = accepted[j], verified[j]

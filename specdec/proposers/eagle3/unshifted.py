@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from specdec.models.loader import read_config_json
-from specdec.proposers.base import Proposal, ProposerContext, ProposerPools, StepFeedback
+from specdec.proposers.base import Proposal, ProposerContext, ProposerPools
 from specdec.proposers.eagle3.kv_sharing import (
     KVSource,
     SharedKVContext,
@@ -193,17 +193,3 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         attn = self.draft.midlayer.self_attn
         ctx = SharedKVContext(self.backend, cache, {self.pool: meta}, shared={(attn.pool, attn.layer_idx): source})
         return self.draft(*self._inputs(tokens, positions), hidden, ctx)
-
-    # ----- feedback -----
-    def on_step(self, feedback: StepFeedback) -> None:
-        known = set(self._states)
-        super().on_step(feedback)
-        if not self.kv_sharing:
-            return
-        for seq in feedback.seqs:
-            state = self._states.get(seq.seq_id)
-            if state is None or seq.seq_id in known:
-                continue
-            # A new request: the draft's own rows begin at the prompt length (the engine started its
-            # pool sequence there); the prompt's positions are the target's KV.
-            state.done = seq.num_prompt_tokens - 1

@@ -84,6 +84,9 @@ class EngineArgs:
       is split across steps (chunked prefill). None = no limit.
     - ``enable_prefix_caching``: reuse the KV pages of identical prompt prefixes across requests.
     - ``seed``: seeds requests that have no ``SamplingParams.seed`` (reproducible runs).
+    - ``tensor_parallel_size``: ranks the weights and KV heads are split over; specdec starts the other
+      ranks' processes itself, or joins the group ``torchrun`` started (see :mod:`specdec.distributed`).
+      ``kv_cache_memory`` is per rank.
     """
 
     model: str = arg(validator=non_empty_str(), converter=_path, metavar="DIR",
@@ -111,6 +114,9 @@ class EngineArgs:
                                            "(default: on)")
     seed: int = arg(0, validator=satisfies(is_int, "an int"), metavar="S", parse=int,
                     help="seed of the run's sampling (default: 0)")
+    tensor_parallel_size: int = arg(1, validator=int_at_least(1), metavar="N", parse=int,
+                                    help="processes the model's weights and KV heads are split over "
+                                         "(torch.distributed; default: 1)")
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "EngineArgs":

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import os
+import atexit
 from typing import Callable, Sequence
 
-from specdec.backends import get_backend
-from specdec.cache.paged_cache import PagedKVCache
-from specdec.engine.engine import LLMEngine, config_max_len
-from specdec.engine.pools import register_pools
-from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.engine.build import build_engine
 from specdec.engine_args import EngineArgs
-from specdec.models.loader import load_model
 from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput, StepOutput
-from specdec.proposers.registry import create_proposer
 from specdec.sampling.params import SamplingParams
-from specdec.tokenizer import encode, load_tokenizer
-
-# The default KV budget never takes more than this share of the memory available at start-up.
-DEFAULT_MEMORY_FRACTION = 0.25
+from specdec.tokenizer import encode
 
 
 class LLM:
@@ -29,6 +20,8 @@ class LLM:
     :class:`~specdec.engine_args.EngineArgs` as keywords (vLLM's names: ``attention_backend``,
     ``dtype``, ``block_size``, ``kv_cache_memory``, ``max_num_seqs``, ``max_model_len``, ``seed``), each
     validated before anything loads; :meth:`from_engine_args` takes a built ``EngineArgs``.
+    With ``tensor_parallel_size > 1`` this process is rank 0 and starts the others
+    (:mod:`specdec.engine.workers`); :meth:`close` stops them.
     """
 
     def __init__(self, model: str, speculative_config=None, **kwargs):
@@ -42,36 +35,30 @@ class LLM:
         return llm
 
     def _build(self, args: EngineArgs) -> None:
-        backend = get_backend(args.attention_backend)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                              max_num_batched_tokens=args.max_num_batched_tokens))
-        target = load_model(args.model, dtype=args.dtype)
-        self.max_model_len = _max_model_len(target, args.max_model_len)
-        self.tokenizer = load_tokenizer(args.model)
-        spec = args.speculative_config
-        proposer = create_proposer(spec) if spec is not None else None
+        self._workers = None
+        if args.tensor_parallel_size > 1:
+            from specdec.engine.workers import WorkerGroup, check_shards
 
-        # Registered before the budget is fixed, so the default can be sized from the real pools.
-        cache = PagedKVCache(args.kv_cache_memory or 1)
-        pools = register_pools(
-            target, cache, backend, proposer, block_size=args.block_size, max_model_len=self.max_model_len
-        )
-        if args.kv_cache_memory is None:
-            cache.memory_budget = default_kv_cache_memory(cache, args.max_num_seqs, self.max_model_len)
-        self.engine = LLMEngine(
-            target,
-            cache,
-            backend,
-            scheduler=scheduler,
-            proposer=proposer,
-            max_model_len=self.max_model_len,
-            eos_token_ids=_eos_ids(target.hf_config),
-            seed=args.seed,
-            pools=pools,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
+            check_shards(args)  # a size that does not shard fails here, before any process starts
+            self._workers = WorkerGroup(args)
+            atexit.register(self.close)
+        try:
+            built = build_engine(args)
+        except BaseException:
+            self.close()
+            raise
+        self.engine = built.engine
+        self.tokenizer = built.tokenizer
+        self.max_model_len = built.max_model_len
         self.engine_args = args
-        self.speculative_config = spec
+        self.speculative_config = args.speculative_config
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank; also runs at interpreter exit)."""
+        if self._workers is not None:
+            engine = getattr(self, "engine", None)
+            self._workers.close(engine.sync if engine is not None else None)
+            self._workers = None
 
     def generate(
         self,
@@ -140,42 +127,3 @@ class LLM:
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
         raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
-
-
-def default_kv_cache_memory(cache: PagedKVCache, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes for ``max_num_seqs`` full-length requests in the registered pools, capped (see ``LLM``)."""
-    # Whole pages per request: with 128-token pages and short requests, tokens alone undercount.
-    full = cache.bytes_needed(max_model_len) * max_num_seqs
-    cap = int(_available_memory() * DEFAULT_MEMORY_FRACTION)
-    return max(min(full, cap), cache.bytes_needed(max_model_len))
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _max_model_len(model, requested: int | None) -> int:
-    if requested is None:
-        return config_max_len(model)
-    limit = getattr(model.hf_config, "max_position_embeddings", None)
-    if limit and requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); lower it"
-        )
-    return requested
-
-
-def _eos_ids(hf_config) -> tuple[int, ...]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(t) for t in eos)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
 # Lowest first; a module may import its own layer and any layer listed before it.
 LAYERS = [
     {"validation", "registry", "outputs", "spec_stats", "tokenizer", "text"},
-    {"cache", "backends", "sampling", "output_processor"},
+    {"cache", "backends", "sampling", "output_processor", "distributed"},
     {"models"},
     {"runtime"},
     {"proposers", "verifiers", "train", "zoo"},

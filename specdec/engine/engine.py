@@ -30,6 +30,8 @@ import torch
 
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
+from specdec.distributed import parallel_state as ps
+from specdec.distributed.step_sync import StepSync
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
@@ -75,6 +77,8 @@ class LLMEngine:
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
     - ``enable_prefix_caching``: reuse cached pages of identical prefixes (:mod:`specdec.engine.prefix_caching`).
+    - ``sync``: under tensor parallelism, this rank's :class:`~specdec.distributed.step_sync.StepSync`
+      (the driver broadcasts added and aborted requests before every step; every rank then steps).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class LLMEngine:
         seed: int = 0,
         pools: EnginePools | None = None,
         enable_prefix_caching: bool = True,
+        sync: StepSync | None = None,
     ):
         self.model = model
         self.cache = cache
@@ -120,6 +125,7 @@ class LLMEngine:
         self.prefix = PrefixCaching(cache, pools, proposer, enabled=enable_prefix_caching)
         self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens, self.prefix)
 
+        self.sync = sync
         self.stats = EngineStats()
         self.spec_stats = SpecStats.for_k(self.num_speculative_tokens) if proposer is not None else None
         self._seed_rng = random.Random(seed)
@@ -135,6 +141,8 @@ class LLMEngine:
     def add_sequence(self, seq: EngineSequence) -> None:
         """Queue a request made by :meth:`make_sequence`."""
         self.scheduler.add(seq)
+        if self.sync is not None:
+            self.sync.added(seq)
 
     def make_sequence(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, index: int = 0) -> EngineSequence:
         """A validated request, not queued yet (so a batch can be checked before anything runs)."""
@@ -187,6 +195,8 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return
+        if self.sync is not None:
+            self.sync.aborted(request_id, reason)
         self.scheduler.abort(seq, reason)
         self.cache.free(seq.seq_id)
         self.prefix.release(seq.seq_id)
@@ -249,6 +259,14 @@ class LLMEngine:
     # ----- one step -----
     def step(self) -> StepOutput:
         """One step over the scheduled requests (phases in the module docstring)."""
+        if self.sync is None:
+            return self._step()
+        self.sync.exchange(self)  # every rank takes the same step on the same requests
+        out = self._step()
+        self.sync.stepped(out)
+        return out
+
+    def _step(self) -> StepOutput:
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         preempted = tuple(seq.seq_id for seq in batch.preempted)
@@ -306,7 +324,8 @@ class LLMEngine:
     def _propose(self, seqs: list[EngineSequence], max_drafts: list[int]) -> Proposal | None:
         if self.proposer is None or not any(max_drafts):
             return None
-        proposal = self.proposer.propose(seqs, max_drafts)
+        with ps.phase("draft"):  # counts the draft's collectives apart from the target's
+            proposal = self.proposer.propose(seqs, max_drafts)
         ids = proposal.draft_token_ids
         if len(ids) != len(seqs) or any(len(d) > m for d, m in zip(ids, max_drafts)):
             raise RuntimeError(

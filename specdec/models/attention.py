@@ -9,13 +9,16 @@ from specdec.cache.pool import AttentionPool
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import bound_pool
 from specdec.models.dims import gqa_dims
-from specdec.models.layers import Linear, PackedLinear, RotaryEmbedding
+from specdec.distributed import parallel_state as ps
+from specdec.models.layers import PackedLinear, RotaryEmbedding
+from specdec.models.parallel import HeadShard, RowParallelLinear
 
 
 class GQASelfAttention(nn.Module):
     """Head counts read (and checked) from the config, the projections, the ``1/sqrt(head_dim)``
     scale, the pool slot ``kv_pools`` binds, and the forward: roped heads, attention in layer
-    ``layer_idx`` of the bound pool, ``o_proj``.
+    ``layer_idx`` of the bound pool, ``o_proj``. Under tensor parallelism ``num_heads`` /
+    ``num_kv_heads`` are this rank's (q/k/v column-parallel by head, ``o_proj`` row-parallel).
 
     q, k and v run as one :class:`~specdec.models.layers.PackedLinear` (``qkv_proj``, loaded from the
     checkpoint's ``q_proj`` / ``k_proj`` / ``v_proj``) reading ``input_size`` features (default the
@@ -31,7 +34,11 @@ class GQASelfAttention(nn.Module):
     ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = gqa_dims(config)
+        num_heads, num_kv_heads, self.head_dim = gqa_dims(config)
+        # This rank's heads (all of them with one rank); KV heads fewer than the ranks are replicated.
+        q_heads = HeadShard.of(num_heads, "num_attention_heads")
+        kv_heads = HeadShard.of(num_kv_heads, "num_key_value_heads")
+        self.num_heads, self.num_kv_heads = q_heads.local, kv_heads.local
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -39,8 +46,9 @@ class GQASelfAttention(nn.Module):
             hidden if input_size is None else input_size,
             {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width},
             bias=qkv_bias,
+            shards={"q_proj": q_heads.spec, "k_proj": kv_heads.spec, "v_proj": kv_heads.spec},
         )
-        self.o_proj = Linear(q_width, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(q_width * ps.current().size, hidden, bias=o_bias)
         self.q_norm: nn.Module | None = None  # per-head norms, set by subclasses that have them
         self.k_norm: nn.Module | None = None
         self.pool: str | None = None  # bound by the model's kv_pools()

@@ -148,12 +148,17 @@ class CausalLM(PagedModel, Protocol):
     ) -> ModelOutput: ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits ``[T, vocab_size]`` of final (post-norm) hidden states."""
+        """Logits ``[T, vocab_size]`` of final (post-norm) hidden states (on every tensor-parallel rank)."""
+        ...
+
+    def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``argmax`` of :meth:`compute_logits` per row (first on ties), without gathering the logits."""
         ...
 
     def output_weight(self) -> torch.Tensor:
         """The ``[vocab_size, hidden_size]`` projection :meth:`compute_logits` applies: the LM head, or
-        the embedding matrix when they are tied (what a draft without its own head shares)."""
+        the embedding matrix when they are tied (what a draft without its own head shares). Under
+        tensor parallelism, this rank's rows of the vocabulary padded to a multiple of the ranks."""
         ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...

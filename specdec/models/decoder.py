@@ -19,6 +19,7 @@ from torch import nn
 from specdec.cache.pool import KVPool
 from specdec.models.base import AttentionContext, ModelOutput
 from specdec.models.layers import PrepackedLMHead, RMSNorm, RotaryEmbedding
+from specdec.models.parallel import VocabParallelEmbedding, VocabParallelHead
 from specdec.models.weights import load_named_weights
 
 
@@ -65,7 +66,7 @@ class DecoderModel(nn.Module):
         self, config, layers: Iterable[nn.Module], rotary_emb: RotaryEmbedding, *, norm_unit_offset: bool = False
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=norm_unit_offset)
         self.rotary_emb = rotary_emb
@@ -93,7 +94,7 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
             getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
         )
         self.model = model
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else VocabParallelHead(self.hidden_size, self.vocab_size)
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:

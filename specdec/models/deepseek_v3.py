@@ -33,7 +33,9 @@ from transformers.activations import ACT2FN
 from specdec.cache.pool import MLAPool
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, bound_pool
+from specdec.distributed import parallel_state as ps
 from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.parallel import ColumnParallelLinear, RowParallelLinear
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
 from specdec.models.weights import SliceTarget
 
@@ -187,22 +189,26 @@ class DeepseekV3Attention(nn.Module):
 
     def __init__(self, s: DeepseekV3Settings, layer_idx: int):
         super().__init__()
-        self.settings = s  # head counts and dims, read by forward
+        self.settings = s  # dims, read by forward
         self.layer_idx = layer_idx
         self.scale = s.softmax_scale
+        # Heads split over the ranks (q, the per-head latent maps, o_proj); the latent is every head's,
+        # so its projection and cache are whole on every rank.
+        self.num_heads = ps.current().shard(s.num_heads, "num_attention_heads")
+        heads = s.num_heads
         qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
         if s.q_lora_rank is None:
-            self.q_proj = Linear(s.hidden_size, s.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(s.hidden_size, heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias)
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, eps=_LATENT_NORM_EPS)
-            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(s.q_lora_rank, heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(
             s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, bias=s.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, eps=_LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
-        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(s.kv_lora_rank, heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
+        self.o_proj = RowParallelLinear(heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
         self.pool: str | None = None  # bound by the model's kv_pools()
 
     def kv_pool(self, name: str, *, num_layers: int, block_size: int, dtype: torch.dtype) -> MLAPool:
@@ -215,17 +221,17 @@ class DeepseekV3Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         pool = bound_pool(self.pool)
-        s, num_tokens = self.settings, x.shape[0]
+        s, num_tokens, num_heads = self.settings, x.shape[0], self.num_heads
         nope, rope, rank = s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank
         q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(num_tokens, s.num_heads, nope + rope).split([nope, rope], dim=-1)
+        q_nope, q_pe = q.view(num_tokens, num_heads, nope + rope).split([nope, rope], dim=-1)
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
         # k_pe is one key shared by all heads: rotate it as a single head.
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.kv_a_layernorm(compressed), k_pe.squeeze(1)], dim=-1)
 
         # kv_b_proj rows are, per head, nope key rows then value rows, each a map from the latent.
-        w_kv = self.kv_b_proj.weight.view(s.num_heads, nope + s.v_head_dim, rank)
+        w_kv = self.kv_b_proj.weight.view(num_heads, nope + s.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
@@ -233,7 +239,7 @@ class DeepseekV3Attention(nn.Module):
         out = ctx.attend_mla(pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
         # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
         values = torch.einsum("thr,hvr->thv", out, w_uv)
-        return self.o_proj(values.reshape(num_tokens, s.num_heads * s.v_head_dim))
+        return self.o_proj(values.reshape(num_tokens, num_heads * s.v_head_dim))
 
 
 class DeepseekV3MLP(GatedMLP):

@@ -8,6 +8,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from specdec.distributed import parallel_state as ps
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision for norms and softmax-like reductions: at least float32, float64 stays float64."""
@@ -96,16 +98,34 @@ class Linear(nn.Linear):
 
 class PrepackedLMHead:
     """Mixin for a model's ``compute_logits`` over ``output_weight()`` (its own head, or the tied or
-    shared rows it reads), served from a prepacked copy after :meth:`prepack_weights`."""
+    shared rows it reads), served from a prepacked copy after :meth:`prepack_weights`.
+
+    Under tensor parallelism ``output_weight()`` holds this rank's rows of the vocabulary:
+    :meth:`compute_logits` gathers every rank's logits, :meth:`greedy_ids` only each rank's best.
+    """
 
     _prepacked_head: torch.Tensor | None = None
 
     def output_weight(self) -> torch.Tensor:
-        """The ``[vocab, hidden]`` rows the logits project onto."""
+        """The ``[vocab, hidden]`` rows the logits project onto (this rank's, under tensor parallelism)."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def output_vocab_size(self) -> int:
+        """How many logits :meth:`compute_logits` returns per row."""
+        return self.vocab_size
+
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over this rank's rows of the vocabulary (all of them with one rank)."""
         return linear(hidden_states, self.output_weight(), prepacked=self._prepacked_head)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return ps.gather_vocab(self.local_logits(hidden_states), self.output_vocab_size)
+
+    def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The argmax over the vocabulary of each row's logits (first on ties), without gathering them."""
+        local = self.local_logits(hidden_states)
+        return ps.argmax_vocab(local.to(compute_dtype(local.dtype)), self.output_vocab_size)
 
     def prepack_weights(self) -> None:
         """Prepack the output weight; :func:`prepack_weights` calls this beside each layer's own."""
@@ -132,13 +152,17 @@ class PackedLinear(Linear):
     ``parts`` maps each checkpoint module name (``"q_proj"``) to its output width, in row order. The
     checkpoint keeps the separate tensors: :func:`specdec.models.weights.load_named_weights` fills each
     part's rows from ``<parent>.<part>.weight`` (and ``.bias``), and :meth:`split` cuts an output back
-    into the parts' views.
+    into the parts' views. Under tensor parallelism ``parts`` are this rank's widths and ``shards`` say
+    which rows of each full part they are.
     """
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, shards: dict | None = None):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)
         self._widths = list(self.parts.values())
+        # Tensor parallelism: how each part's rows are cut from the checkpoint's full part
+        # (a :class:`~specdec.models.parallel.ShardSpec` per part; none = the parts are whole).
+        self.part_shards = dict(shards or {})
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The parts of an output ``[..., out_features]``, each ``[..., width]`` (views)."""
@@ -153,16 +177,24 @@ class PackedLinear(Linear):
         return rows
 
 
+def gated_projections(hidden_size: int, intermediate_size: int, bias: bool = False) -> tuple[PackedLinear, Linear]:
+    """``gate_up_proj`` (gate and up packed, column-parallel part by part) and ``down_proj``
+    (row-parallel) of a gated MLP, over this rank's share of ``intermediate_size``."""
+    from specdec.models.parallel import RowParallelLinear, split_spec
+
+    local = ps.current().shard(intermediate_size, "the MLP's intermediate_size")
+    gate_up = PackedLinear(hidden_size, {"gate_proj": local, "up_proj": local}, bias=bias,
+                           shards={"gate_proj": split_spec(0), "up_proj": split_spec(0)})
+    return gate_up, RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` (SwiGLU for ``"silu"``), gate and up run as one
     :class:`PackedLinear` (``gate_up_proj``, filled from the checkpoint's ``gate_proj`` / ``up_proj``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_up_proj = PackedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj, self.down_proj = gated_projections(hidden_size, intermediate_size, bias)
         if hidden_act not in ACT2FN:
             raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
         self.act = None if hidden_act == "silu" else ACT2FN[hidden_act]

@@ -21,8 +21,10 @@ from torch import nn
 # first defined here.
 from specdec.models.attention import GQASelfAttention
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, aux_capture_counts  # noqa: F401
-from specdec.models.dims import check_gqa, head_dim_of, rotary_dim_of  # noqa: F401
-from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding
+from specdec.distributed import parallel_state as ps
+from specdec.models.dims import check_gqa, gqa_dims, head_dim_of, rotary_dim_of  # noqa: F401
+from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.parallel import split_spec
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, load_weights_with_slices  # noqa: F401
 
@@ -32,13 +34,37 @@ def is_mtp_tensor(name: str) -> bool:
     return re.search(r"(^|\.)mtp\.", name) is not None
 
 
+class WidthSplitRMSNorm(RMSNorm):
+    """RMSNorm over ``hidden_size`` features per rank that are one rank's share of a wider vector: the
+    mean square is summed over the ranks (one all-reduce of a column), the weight is this rank's."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps=eps)
+        self.tp_size = ps.current().size
+        self.tp_shards = {"weight": split_spec(0)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        work = compute_dtype(x.dtype)
+        xw = x.to(work)
+        mean_square = ps.all_reduce(xw.pow(2).sum(dim=-1, keepdim=True)) / (x.shape[-1] * self.tp_size)
+        return (xw * torch.rsqrt(mean_square + self.eps) * self.weight.to(work)).to(x.dtype)
+
+
 class MiniMaxM2Attention(GQASelfAttention):
     """GQA attention; q_norm / k_norm normalise the full projection width before the head split."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
+        size = ps.current().size
+        if size > 1 and self.num_kv_heads * size != gqa_dims(config)[1]:
+            raise ValueError(
+                f"MiniMax-M2 normalises k across all KV heads, so tensor_parallel_size {size} must divide "
+                f"num_key_value_heads ({gqa_dims(config)[1]}); choose one that does"
+            )
+        self.q_norm = WidthSplitRMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = WidthSplitRMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
 
     def qkv_heads(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding

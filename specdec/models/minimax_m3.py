@@ -36,7 +36,9 @@ from specdec.models.attention import GQASelfAttention
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import rotary_dim_of
-from specdec.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.distributed import parallel_state as ps
+from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype, gated_projections
+from specdec.models.parallel import ColumnParallelLinear
 from specdec.models.minimax_m2 import is_mtp_tensor
 from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget
@@ -100,10 +102,7 @@ class MiniMaxM3DenseMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
         super().__init__()
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-        self.gate_up_proj = PackedLinear(
-            config.hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
-        )
-        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj, self.down_proj = gated_projections(config.hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
@@ -147,7 +146,8 @@ class MiniMaxM3Indexer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.num_heads = config.index_n_heads
+        # Indexer heads split over the ranks with the attention heads they serve; its one key is whole.
+        self.num_heads = ps.current().shard(config.index_n_heads, "index_n_heads")
         self.head_dim = config.index_head_dim
         self.block_size = config.index_block_size
         self.topk_blocks = config.index_topk_blocks
@@ -157,7 +157,7 @@ class MiniMaxM3Indexer(nn.Module):
                 f"index_topk_blocks ({self.topk_blocks}) must be >= 1 and >= index_local_blocks "
                 f"({self.local_blocks}): the always-kept local blocks count against the top-k"
             )
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.q_proj = ColumnParallelLinear(config.hidden_size, config.index_n_heads * self.head_dim, bias=False)
         self.k_proj = Linear(config.hidden_size, self.head_dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
@@ -240,7 +240,7 @@ class MiniMaxM3Attention(GQASelfAttention):
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         self.indexer = MiniMaxM3Indexer(config) if sparse else None
         if sparse:
-            self._check_head_groups(config.index_n_heads)
+            self._check_head_groups(self.indexer.num_heads)
 
     def _check_head_groups(self, index_heads: int) -> None:
         # Each indexer head serves a contiguous group of query heads, which must not split a KV head's

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdec.distributed import parallel_state as ps
 from specdec.models.layers import compute_dtype
 from specdec.models.loader import CheckpointError
-from specdec.models.weights import SliceTarget, row_pieces
+from specdec.models.parallel import PartsShard, split_spec
+from specdec.models.weights import PIECE, SliceTarget, row_pieces
 
 
 def check_top_k(top_k: int, num_experts: int) -> None:
@@ -76,11 +78,22 @@ class FusedExperts(nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor],
     ):
         super().__init__()
+        tp = ps.current()
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Tensor parallelism splits every expert's intermediate features; the ranks' outputs are summed.
+        self.intermediate_size = local = tp.shard(intermediate_size, "the experts' intermediate_size")
+        self.tp_size = tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
         self.activation = activation
+        rows, cols = split_spec(1), split_spec(2)
+        self.tp_shards = {
+            "gate_up_proj": PartsShard(1, ((intermediate_size, rows), (intermediate_size, rows))),
+            "down_proj": cols,
+            # One expert's gate, up [I, H] or down [H, I] tensor (per-expert checkpoints).
+            "gate_up_proj" + PIECE: split_spec(0),
+            "down_proj" + PIECE: split_spec(1),
+        }
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` as ``[T, H]``, summed in at least float32.
@@ -96,7 +109,8 @@ class FusedExperts(nn.Module):
             per_slot = self._routed_rows(x, experts)
         cd = compute_dtype(x.dtype)
         weighted = per_slot.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
-        return weighted.sum(dim=1)
+        out = weighted.sum(dim=1)
+        return ps.all_reduce(out) if self.tp_size > 1 else out
 
     def _every_expert(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``[T * k, H]`` outputs in (token, slot) order, from all ``E`` experts run on all tokens."""
@@ -137,8 +151,10 @@ def expert_slice(name: str, num_experts: int, intermediate_size: int) -> SliceTa
     """Per-expert checkpoint name -> the slice of the stacked ``<layer>.mlp.experts`` tensors it fills.
 
     None when ``name`` is not a per-expert tensor. The module path before ``.mlp`` /
-    ``.block_sparse_moe`` is kept as it is; a missing layer or expert shows up as unexpected.
+    ``.block_sparse_moe`` is kept as it is; a missing layer or expert shows up as unexpected. The
+    slice is in this rank's rows (``intermediate_size`` is the config's; the loader cuts the tensor).
     """
+    intermediate_size //= ps.current().size
     match = _PER_EXPERT.match(name)
     if match is None:
         return None

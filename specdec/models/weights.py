@@ -49,6 +49,7 @@ def load_named_weights(
     targets = dict(module.named_parameters())
     targets.update(dict(module.named_buffers()))
     packed = packed_part_targets(module)
+    shards = shard_specs(module)
     loaded: set[str] = set()
     filled: dict[str, tuple[SliceTarget, set[tuple]]] = {}  # sliced param -> (a target, piece keys)
     unexpected: list[str] = []
@@ -56,6 +57,7 @@ def load_named_weights(
         name = rename(ckpt_name) if rename else ckpt_name
         if name is None:
             continue
+        shard = shards.get(name + WHOLE if isinstance(name, str) else name.param + PIECE)
         if isinstance(name, str) and name not in targets:
             name = packed.get(name, name)
         sliced = isinstance(name, SliceTarget)
@@ -64,6 +66,8 @@ def load_named_weights(
             unexpected.append(ckpt_name)
             continue
         dest = target.data[name.index] if sliced else target
+        if shard is not None:
+            tensor = shard.take(tensor)  # this rank's slice of the full tensor
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
@@ -108,6 +112,37 @@ def packed_part_targets(module: nn.Module) -> dict[str, SliceTarget]:
             for index, name in pieces():
                 targets[name] = SliceTarget(f"{path}.{suffix}", index, pieces)
     return targets
+
+
+# Keys of :func:`shard_specs`: a whole parameter (or a packed part) by name, a piece of a sliced one.
+WHOLE, PIECE = "", "#piece"
+
+
+def shard_specs(module: nn.Module) -> dict[str, object]:
+    """How each tensor-parallel parameter is cut from its checkpoint tensor, by the name the tensor
+    loads under: ``<path>.<param>`` for a whole parameter or a :class:`PackedLinear` part, and
+    ``<path>.<param>#piece`` for the pieces of a :class:`SliceTarget` (per-expert tensors).
+
+    Modules declare them in ``tp_shards`` (parameter name, or ``name#piece``, to a spec with a
+    ``take(tensor)`` method); a :class:`PackedLinear` in ``part_shards``, cut part by part whether the
+    checkpoint holds the parts or the packed tensor. Nothing is declared with one rank.
+    """
+    from specdec.models.parallel import PartsShard
+
+    specs: dict[str, object] = {}
+    for path, child in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for key, spec in getattr(child, "tp_shards", {}).items():
+            specs[prefix + key] = spec
+        if isinstance(child, PackedLinear) and child.part_shards:
+            parent = path.rpartition(".")[0]
+            parent_prefix = f"{parent}." if parent else ""
+            parts = tuple((child.parts[p] * child.part_shards[p].count, child.part_shards[p]) for p in child.parts)
+            for suffix in ("weight", "bias"):
+                specs[f"{prefix}{suffix}"] = PartsShard(0, parts)
+                for part in child.parts:
+                    specs[f"{parent_prefix}{part}.{suffix}"] = child.part_shards[part]
+    return {name: spec for name, spec in specs.items() if not spec.is_whole}
 
 
 def checkpoint_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

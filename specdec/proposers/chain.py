@@ -1,9 +1,11 @@
 """The autoregressive draft chain both model-based proposers run (``draft_model`` and ``eagle3``).
 
-From the logits of each drafting request's last known position: draw a draft token (and, when any
-request samples, the distribution q it was drawn from), keep the requests that may draft more, run one
-draft step for them on the tokens just drawn, and repeat until every request has its ``limits[r]``
-drafts. How a token is drawn and how a step runs are the proposer's (``draw`` and ``advance``).
+From the draft's state at each drafting request's last known position (the hidden states its LM head
+reads): draw a draft token (and, when any request samples, the distribution q it was drawn from),
+keep the requests that may draft more, run one draft step for them on the tokens just drawn, and
+repeat until every request has its ``limits[r]`` drafts. How a token is drawn and how a step runs are
+the proposer's (``draw`` and ``advance``); a greedy draw needs no full logits (under tensor
+parallelism it reduces each rank's best token instead of gathering the vocabulary).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import torch
 from specdec.proposers.base import Proposal
 from specdec.sampling.sampler import SamplingBatch
 
-# (logits [n, V_draft], sampling rows or None when all greedy, draft index) -> (tokens [n], q [n, V] or None)
+# (states [n, H], sampling rows or None when all greedy, draft index) -> (tokens [n], q [n, V] or None)
 Draw = Callable[[torch.Tensor, "SamplingBatch | None", int], tuple[torch.Tensor, "torch.Tensor | None"]]
 # (step: the draft index to produce next, kept: indices into the previous step's rows, rows: chain rows
-#  still drafting, tokens: their last drafts) -> logits for draft ``step`` of those rows
+#  still drafting, tokens: their last drafts) -> the states for draft ``step`` of those rows
 Advance = Callable[[int, list[int], list[int], list[int]], torch.Tensor]
 
 
@@ -26,7 +28,7 @@ def draft_chain(
     seqs: Sequence,
     index: Sequence[int],
     limits: Sequence[int],
-    logits: torch.Tensor,
+    states: torch.Tensor,
     draw: Draw,
     advance: Advance,
     *,
@@ -37,7 +39,7 @@ def draft_chain(
 ) -> Proposal:
     """Drafts for a step of ``batch_size`` requests, of which ``seqs`` (at ``index`` in the step) draft.
 
-    ``logits[r]`` are ``seqs[r]``'s logits for its first draft; ``limits[r] >= 1`` drafts at most. Greedy
+    ``states[r]`` are what ``draw`` reads for ``seqs[r]``'s first draft; ``limits[r] >= 1`` drafts at most. Greedy
     steps draw no random numbers and report no q (``draft_probs`` None).
     """
     drafts: list[list[int]] = [[] for _ in range(batch_size)]
@@ -49,7 +51,7 @@ def draft_chain(
     rows = list(range(len(seqs)))  # chain rows still drafting
     step = 0
     while True:
-        tokens, q = draw(logits, batch, step)
+        tokens, q = draw(states, batch, step)
         token_list = tokens.tolist()
         for r, token in zip(rows, token_list):
             drafts[index[r]].append(token)
@@ -62,4 +64,4 @@ def draft_chain(
         if batch is not None and len(kept) < len(rows):
             batch = batch.select(torch.tensor(kept))
         rows = [rows[n] for n in kept]
-        logits = advance(step, kept, rows, [token_list[n] for n in kept])
+        states = advance(step, kept, rows, [token_list[n] for n in kept])

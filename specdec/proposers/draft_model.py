@@ -12,7 +12,7 @@ from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, Pro
 from specdec.proposers.chain import draft_chain
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import Chunk, ModelRunner
-from specdec.sampling.processing import greedy_ids, target_probs
+from specdec.sampling.processing import target_probs
 from specdec.sampling.random import STREAM_DRAFT, categorical
 from specdec.sampling.sampler import SamplingBatch
 
@@ -78,23 +78,26 @@ class DraftModelProposer(ModelProposer):
         drafting = [seqs[i] for i in active]
         out = runner.forward(chunks)
         index = torch.tensor(last_rows, dtype=torch.long, device=runner.device)
-        logits = self.model.compute_logits(out.hidden_states[index])
 
         def advance(_step: int, _kept: list[int], rows: list[int], tokens: list[int]) -> torch.Tensor:
-            out = runner.forward([Chunk(drafting[r].seq_id, [t]) for r, t in zip(rows, tokens)])
-            return self.model.compute_logits(out.hidden_states)
+            return runner.forward([Chunk(drafting[r].seq_id, [t]) for r, t in zip(rows, tokens)]).hidden_states
 
         return draft_chain(
-            drafting, active, [max_drafts[i] for i in active], logits, _draw, advance,
+            drafting, active, [max_drafts[i] for i in active], out.hidden_states[index], self._draw, advance,
             batch_size=len(seqs), num_speculative_tokens=self.num_speculative_tokens,
             vocab_size=self.model.vocab_size, device=runner.device,
         )
 
+    def _draw(self, hidden: torch.Tensor, batch: SamplingBatch | None, step: int):
+        """Draft tokens for one position (from the draft's final hidden states) and, when any row
+        samples, their distributions q."""
+        if batch is None:
+            return self.model.greedy_ids(hidden), None
+        return _sample(self.model.compute_logits(hidden), batch, step)
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch | None, step: int):
-    """Draft tokens for one position and, when any row samples, their distributions q."""
-    if batch is None:
-        return greedy_ids(logits), None
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch, step: int):
+    """Draw from q = the request's processed distribution of ``logits``; return the tokens and q."""
     q = target_probs(logits, batch.temperature, batch.top_k, batch.top_p)
     tokens = categorical(q, batch.seeds, batch.counters + step, STREAM_DRAFT)
     # Greedy rows' q is the one-hot of the argmax, so the draw above already picks it.

@@ -14,12 +14,16 @@ Subclasses supply the decoder layer's ``self_attn`` (MHA or MLA) and the cache p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from specdec.cache.pool import KVPool
 from specdec.models.base import AttentionContext
+from specdec.distributed import parallel_state as ps
 from specdec.models.layers import Linear, PrepackedLMHead, RMSNorm, RotaryEmbedding
+from specdec.models.parallel import ShardSpec, VocabParallelEmbedding, VocabParallelHead, padded_vocab
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 
 
@@ -74,6 +78,7 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         target_hidden_size: int,
         own_embedding: bool,
         own_lm_head: bool,
+        shard_layer: bool = True,
     ):
         super().__init__()
         self.config = config
@@ -88,10 +93,13 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         # Checkpoint names: fc_norm.{i}.weight (EAGLE3.1) and input_norm.weight (norm_before_fc).
         self.fc_norm = nn.ModuleList(RMSNorm(target_hidden_size, eps=eps) for _ in range(n)) if config.fc_norm else None
         self.input_norm = RMSNorm(n * target_hidden_size, eps=eps) if config.norm_before_fc else None
-        self.midlayer = self._build_layer(config)
+        # Under tensor parallelism the decoder layer is split over the ranks like a target layer, or
+        # whole on every rank (no collectives in the layer); the vocabulary is split either way.
+        with contextlib.nullcontext() if shard_layer else ps.replicated():
+            self.midlayer = self._build_layer(config)
         self.norm = RMSNorm(hidden, eps=eps)
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embedding else None
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if own_lm_head else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
+        self.lm_head = VocabParallelHead(hidden, config.draft_vocab_size) if own_lm_head else None
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary = self._build_rotary(config)
@@ -128,16 +136,21 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
 
         ``target_output_weight`` is the target's ``[vocab, H]`` output projection; the draft keeps the
         rows of its own vocabulary (``draft_to_target(arange(draft_vocab))``), a view when that is all.
+        Under tensor parallelism both are this rank's rows of their (padded) vocabularies: the draft's
+        rows are picked from every rank's target rows, gathered once here.
         """
         if self.embed_tokens is None:
             self._target_embed = target.embed
         if self.lm_head is None:
             ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))
             weight = target_output_weight.detach()
-            if ids.numel() == weight.shape[0] and bool((ids == torch.arange(ids.numel(), device=ids.device)).all()):
-                self._shared_lm_head = weight
+            if ids.numel() == self.vocab_size and bool((ids == torch.arange(ids.numel(), device=ids.device)).all()):
+                self._shared_lm_head = weight  # the same vocabulary, split the same way
             else:
-                self._shared_lm_head = weight[ids.to(weight.device)]
+                tp = ps.current()
+                full = ps.all_gather(weight, dim=0)[: self.vocab_size] if tp.size > 1 else weight
+                rows = full[ids.to(weight.device)]
+                self._shared_lm_head = ShardSpec(0, tp.rank, tp.size, padded_vocab(self.draft_vocab_size)).take(rows)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -189,6 +202,10 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         h = self.midlayer(self.embed(input_ids), hidden, positions, self.rotary, ctx)
         post = self.norm(h)
         return post, (post if self.norm_output else h)
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.draft_vocab_size
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[T, draft_vocab_size]`` of post-norm states."""

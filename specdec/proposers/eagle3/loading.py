@@ -32,6 +32,7 @@ def load_eagle3_draft(
     device: str | torch.device | None = None,
     *,
     method: str = "eagle3",
+    shard_layer: bool = True,
 ) -> Eagle3Head:
     """Load the draft in folder ``path`` for ``target_model`` (a loaded specdec CausalLM).
 
@@ -39,6 +40,7 @@ def load_eagle3_draft(
     draft serves; ``"eagle3.1-mla"`` requires an MLA draft under an MLA target. Returns an
     :class:`~specdec.proposers.eagle3.model.Eagle3LlamaDraft` or
     :class:`~specdec.proposers.eagle3.mla_model.Eagle3MLADraft` in inference mode (no grad).
+    Under tensor parallelism its decoder layer is this rank's shard (``shard_layer``) or whole.
     Raises :class:`~specdec.models.CheckpointError` naming the mismatch.
     """
     if method not in METHODS:
@@ -65,7 +67,7 @@ def load_eagle3_draft(
 
         cls = Eagle3MLADraft
     with torch.device("meta"):
-        draft = cls(config, **plan)
+        draft = cls(config, **plan, shard_layer=shard_layer)
     draft.to_empty(device=device)
     draft.to(torch_dtype)
     for module in draft.modules():

@@ -13,7 +13,8 @@ import attrs
 
 from specdec.cache.pool import KVPool, MLAPool
 from specdec.models.deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, DeepseekV3Settings
-from specdec.models.layers import Linear, RotaryEmbedding
+from specdec.models.layers import RotaryEmbedding
+from specdec.models.parallel import RowParallelLinear
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
 from specdec.proposers.eagle3.head import Eagle3DecoderLayer, Eagle3Head
 
@@ -25,7 +26,7 @@ def _mla_attention(config: Eagle3DraftConfig) -> DeepseekV3Attention:
     # and give it an o_proj back to H. The MoE settings play no part in a dense draft layer.
     settings = attrs.evolve(settings, hidden_size=2 * config.hidden_size, num_experts=0)
     attn = DeepseekV3Attention(settings, layer_idx=0)
-    attn.o_proj = Linear(
+    attn.o_proj = RowParallelLinear(
         config.num_attention_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias
     )
     # transformers pins the latent norms' epsilon at 1e-6 for targets, but MLA drafts only exist in

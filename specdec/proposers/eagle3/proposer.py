@@ -35,10 +35,13 @@ import torch
 from specdec.backends import get_backend
 from specdec.backends.base import AttentionBackend, AttentionMetadata
 from specdec.cache.paged_cache import PagedKVCache
+from specdec.distributed import parallel_state as ps
 from specdec.models.base import ForwardContext
 from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools, StepFeedback
 from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
+from specdec.proposers.options import ModelOptions, keys_from, option
+from specdec.validation import int_at_least
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import paged_metadata
 from specdec.sampling.processing import greedy_ids, target_probs
@@ -69,6 +72,15 @@ class _RequestState:
         return self.hidden_start + self.hidden.shape[0]
 
 
+@attrs.frozen(kw_only=True)
+class Eagle3Options(ModelOptions):
+    """EAGLE3's keys: the model-based ones and ``draft_tensor_parallel_size`` (vLLM's name): under
+    tensor parallelism the draft layer runs whole on every rank (1) or split over all of them."""
+
+    draft_tensor_parallel_size: int | None = option(int, int_at_least(1, optional=True))
+
+
+@keys_from(Eagle3Options)
 class Eagle3Proposer(ModelProposer):
     """Drafts with an EAGLE3 / EAGLE3.1 head (MHA or MLA) loaded by ``load_eagle3_draft``.
 
@@ -99,8 +111,10 @@ class Eagle3Proposer(ModelProposer):
         method: str | None = None,
         attention_backend: str | None = None,
         block_size: int | None = None,
+        draft_tensor_parallel_size: int | None = None,
     ):
         super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size)
+        self.draft_tensor_parallel_size = draft_tensor_parallel_size
         method = method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown EAGLE3 proposer method {method!r}; choose one of {list(self.methods)}")
@@ -114,7 +128,8 @@ class Eagle3Proposer(ModelProposer):
     # ----- setup -----
     def setup(self, context: ProposerContext) -> ProposerPools:
         draft = load_eagle3_draft(
-            self.model_path, context.target, dtype=context.dtype, device=context.device, method=self._load_method()
+            self.model_path, context.target, dtype=context.dtype, device=context.device, method=self._load_method(),
+            shard_layer=self._shard_layer(),
         )
         backend = get_backend(self.attention_backend) if self.attention_backend else context.backend
         shared = self._shared_pool(draft, context.target_pools, backend)
@@ -144,6 +159,24 @@ class Eagle3Proposer(ModelProposer):
 
     def _load_method(self) -> str:
         return self.method
+
+    # The decoder layer's default under tensor parallelism: whole on every rank. On CPUs (gloo) two
+    # all-reduces per draft step cost more than the layer's own arithmetic (benchmarks/bench_tp.py).
+    replicate_layer_by_default = True
+
+    def _shard_layer(self) -> bool:
+        """Whether the draft's decoder layer is split over the tensor-parallel ranks
+        (``draft_tensor_parallel_size`` = the group's size) or whole on each (1)."""
+        size = ps.current().size
+        wanted = self.draft_tensor_parallel_size
+        if wanted is None:
+            return size > 1 and not self.replicate_layer_by_default
+        if wanted not in (1, size):
+            raise ValueError(
+                f"speculative config draft_tensor_parallel_size={wanted}: the draft layer runs whole on every rank "
+                f"(1) or split over all of them ({size}, the tensor_parallel_size); choose one"
+            )
+        return wanted > 1
 
     def _shared_pool(self, draft, target_pools, backend: AttentionBackend):
         """The target MLA pool the draft joins, or None for a pool of its own (errors for eagle3.1-mla)."""
@@ -274,19 +307,21 @@ class Eagle3Proposer(ModelProposer):
             post, fed = self._forward(
                 [seqs[r].seq_id for r in rows], [[t] for t in tokens], [(p, p + 1) for p in starts], fed
             )
-            return self.draft.compute_logits(post)
+            return post
 
         return draft_chain(
-            seqs, index, limits, self.draft.compute_logits(post), self._draw, advance,
+            seqs, index, limits, post, self._draw, advance,
             batch_size=batch_size, num_speculative_tokens=self.num_speculative_tokens,
             vocab_size=self.draft.vocab_size, device=self.device,
         )
 
-    def _draw(self, draft_logits: torch.Tensor, batch: SamplingBatch | None, step: int):
-        """Draft target ids for one position and, when any row samples, their q over the target vocab."""
-        argmax = self.draft.draft_to_target(greedy_ids(draft_logits))
+    def _draw(self, post: torch.Tensor, batch: SamplingBatch | None, step: int):
+        """Draft target ids for one position (from post-norm draft states) and, when any row samples,
+        their q over the target vocab. ``d2t`` maps the draft-vocabulary argmax after the reduction."""
         if batch is None:
-            return argmax, None
+            return self.draft.draft_to_target(self.draft.greedy_ids(post)), None
+        draft_logits = self.draft.compute_logits(post)
+        argmax = self.draft.draft_to_target(greedy_ids(draft_logits))
         q = target_probs(self.draft.target_logits(draft_logits), batch.temperature, batch.top_k, batch.top_p)
         tokens = categorical(q, batch.seeds, batch.counters + step, STREAM_DRAFT)
         greedy = batch.greedy.to(tokens.device)

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 
+from specdec.distributed import parallel_state as ps
 from specdec.models.loader import read_config_json
 from specdec.proposers.base import Proposal, ProposerContext, ProposerPools
 from specdec.proposers.eagle3.kv_sharing import (
@@ -46,15 +47,15 @@ from specdec.proposers.eagle3.kv_sharing import (
     prefix_metadata,
     resolve_shared_layer,
 )
-from specdec.proposers.eagle3.proposer import Eagle3Proposer
-from specdec.proposers.options import ModelOptions, keys_from, option
+from specdec.proposers.eagle3.proposer import Eagle3Options, Eagle3Proposer
+from specdec.proposers.options import keys_from, option
 from specdec.validation import boolean, int_at_least
 
 BOOTSTRAPS = ("zeros",)
 
 
 @attrs.frozen(kw_only=True)
-class UnshiftedOptions(ModelOptions):
+class UnshiftedOptions(Eagle3Options):
     """``eagle3-unshifted``'s keys: the model-based ones, ``kv_sharing`` (default true) and, with
     sharing, ``kv_sharing_target_layer`` (0-based; default: what the draft was trained to read, else
     the last target layer with the draft's KV layout)."""
@@ -130,8 +131,10 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         kv_sharing_target_layer: int | None = None,
         attention_backend: str | None = None,
         block_size: int | None = None,
+        draft_tensor_parallel_size: int | None = None,
     ):
-        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size)
+        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size,
+                         draft_tensor_parallel_size=draft_tensor_parallel_size)
         self.kv_sharing = kv_sharing
         self.kv_sharing_target_layer = kv_sharing_target_layer
         self.shared_layer: SharedLayer | None = None
@@ -158,6 +161,17 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         # (it holds no prompt pages, so nothing of it is prefix-cached).
         self._completes_finished = False
         return attrs.evolve(pools, read=(self.shared_layer.pool,), prompt_free=pools.own)
+
+    def _shard_layer(self) -> bool:
+        if not self.kv_sharing:
+            return super()._shard_layer()
+        # The draft reads a target layer's KV, of which a rank holds its own heads: split like the target.
+        if self.draft_tensor_parallel_size == 1 and ps.current().size > 1:
+            raise ValueError(
+                "speculative config draft_tensor_parallel_size=1 with kv_sharing: the draft reads a target layer's "
+                "KV, which tensor parallelism splits by head; drop draft_tensor_parallel_size or set kv_sharing=false"
+            )
+        return True
 
     def _shared_pool(self, draft, target_pools, backend):
         return None  # always a pool of its own (see the module docstring)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 from typing import Callable, Sequence
 
+from specdec.distributed import parallel_state as ps
 from specdec.engine.build import build_engine
 from specdec.engine_args import EngineArgs
 from specdec.output_processor import OutputProcessor
@@ -43,7 +44,7 @@ class LLM:
             self._workers = WorkerGroup(args)
             atexit.register(self.close)
         try:
-            built = build_engine(args)
+            built = build_engine(args, self._workers.group if self._workers is not None else ps.SINGLE)
         except BaseException:
             self.close()
             raise

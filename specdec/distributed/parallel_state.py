@@ -5,9 +5,11 @@ One process per rank; each holds a slice of every sharded weight and of the KV h
 same inputs (:mod:`specdec.distributed.step_sync`), so all ranks issue the same collectives in the
 same order, every step, whether or not they have work of their own.
 
-Models read :func:`current` when they are built (shard sizes) and call the collectives in their
-forwards. With one rank (the default) every collective returns its input untouched, so a single
-process runs exactly the code it ran before tensor parallelism existed.
+Models are built inside :func:`using` a group: each sharded module reads :func:`current` when it is
+constructed (its shard sizes) and keeps that group for the collectives of its forwards, so engines of
+different groups (a tensor-parallel one and a single-process one) live side by side in one process.
+With one rank (the default) every collective returns its input untouched, so a single process runs
+exactly the code it ran before tensor parallelism existed.
 
 The collectives count the bytes each rank sends (:class:`CommCounter`), by phase, for the benchmark.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 from typing import Any, Iterator
 
 import attrs
@@ -46,54 +49,54 @@ class TensorParallelGroup:
         return total // self.size
 
 
-_SINGLE = TensorParallelGroup()
-_current = _SINGLE
+SINGLE = TensorParallelGroup()
+_current = SINGLE
 
 
 def current() -> TensorParallelGroup:
-    """The group of this process (one rank unless :func:`initialize` or :func:`building` set one)."""
+    """The group modules being built now belong to (see :func:`using`; one rank by default)."""
     return _current
 
 
 @contextlib.contextmanager
-def building(rank: int, size: int) -> Iterator[TensorParallelGroup]:
-    """Shapes of rank ``rank`` of ``size`` without a process group: the driver builds a model on the
-    meta device this way to check that it shards, before starting any process."""
+def using(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
+    """Build modules for ``group``: inside, :func:`current` is ``group``."""
     global _current
     saved = _current
-    _current = TensorParallelGroup(rank, size, None)
+    _current = group
     try:
-        yield _current
+        yield group
     finally:
         _current = saved
 
 
+def building(rank: int, size: int):
+    """Shapes of rank ``rank`` of ``size`` without a process group: the driver builds a model on the
+    meta device this way to check that it shards, before starting any process."""
+    return using(TensorParallelGroup(rank, size, None))
+
+
 def replicated():
-    """Modules built inside hold whole weights and issue no collectives (an EAGLE3 head replicated on
+    """Modules built inside hold whole weights and issue no collectives (an EAGLE3 layer whole on
     every rank): the shapes of one rank, whatever the group."""
-    return building(0, 1)
+    return using(SINGLE)
 
 
 def initialize(rank: int, size: int, init_method: str, *, timeout_s: float | None = None) -> TensorParallelGroup:
-    """Join the ``size``-rank group (gloo on CPUs, nccl on GPUs) as ``rank``; make it :func:`current`."""
-    global _current
+    """Join the ``size``-rank group (gloo on CPUs, nccl on GPUs) as ``rank``; build inside :func:`using` it."""
     if size == 1:
-        _current = _SINGLE
-        return _current
+        return SINGLE
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("SPECDEC_TP_BACKEND") != "gloo" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("SPECDEC_TP_TIMEOUT", 600)))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-    _current = TensorParallelGroup(rank, size, dist.group.WORLD)
-    return _current
+    return TensorParallelGroup(rank, size, dist.group.WORLD)
 
 
 def shutdown() -> None:
-    """Leave the group (a no-op with one rank)."""
-    global _current
-    if _current.size > 1 and dist.is_initialized():
+    """Leave this process's group, if it joined one."""
+    if dist.is_initialized():
         dist.destroy_process_group()
-    _current = _SINGLE
 
 
 # ----- byte accounting -----
@@ -131,9 +134,8 @@ def phase(name: str) -> Iterator[None]:
 
 
 # ----- collectives -----
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks (in place; returns it)."""
-    tp = _current
+def all_reduce(tp: TensorParallelGroup, x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``tp`` (in place; returns it)."""
     if tp.size == 1:
         return x
     counter.add(2 * (tp.size - 1) / tp.size * x.numel() * x.element_size())
@@ -141,9 +143,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def all_gather(tp: TensorParallelGroup, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim``, in rank order."""
-    tp = _current
     if tp.size == 1:
         return x
     x = x.contiguous()
@@ -153,19 +154,19 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_object(obj: Any = None) -> Any:
+def broadcast_object(tp: TensorParallelGroup, obj: Any = None) -> Any:
     """The driver's ``obj`` on every rank (others pass anything)."""
-    tp = _current
     if tp.size == 1:
         return obj
+    if tp.is_driver:
+        counter.add((tp.size - 1) * len(pickle.dumps(obj)))
     box = [obj if tp.is_driver else None]
     dist.broadcast_object_list(box, src=0, group=tp.group)
     return box[0]
 
 
-def min_over_ranks(value: int) -> int:
+def min_over_ranks(tp: TensorParallelGroup, value: int) -> int:
     """The smallest ``value`` any rank holds (ranks agree on a size each measured for itself)."""
-    tp = _current
     if tp.size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
@@ -174,20 +175,19 @@ def min_over_ranks(value: int) -> int:
 
 
 # ----- vocab-parallel logits -----
-def gather_vocab(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def gather_vocab(tp: TensorParallelGroup, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Every rank's slice of the logits ``[T, V_local]`` -> the full ``[T, vocab_size]`` on every rank."""
-    if _current.size == 1:
+    if tp.size == 1:
         return local_logits
-    return all_gather(local_logits, dim=-1)[..., :vocab_size]
+    return all_gather(tp, local_logits, dim=-1)[..., :vocab_size]
 
 
-def argmax_vocab(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def argmax_vocab(tp: TensorParallelGroup, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The argmax over the whole vocabulary of vocab-split logits, sending two numbers per row and rank.
 
     Ties go to the lowest id (``torch.argmax``'s rule): ranks hold the vocabulary in order, and the
     first rank holding the maximum wins.
     """
-    tp = _current
     if tp.size == 1:
         return torch.argmax(local_logits, dim=-1)
     local_vocab = local_logits.shape[-1]
@@ -200,6 +200,6 @@ def argmax_vocab(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         index = torch.zeros(local_logits.shape[:-1], dtype=torch.long, device=local_logits.device)
         best = torch.full(local_logits.shape[:-1], float("-inf"), dtype=torch.float64, device=local_logits.device)
     pair = torch.stack([best, (index + first).double()], dim=-1)  # ids are exact in float64
-    gathered = all_gather(pair.unsqueeze(-2), dim=-2)  # [T, ranks, 2]
+    gathered = all_gather(tp, pair.unsqueeze(-2), dim=-2)  # [T, ranks, 2]
     winner = gathered[..., 0].argmax(dim=-1, keepdim=True)
     return gathered[..., 1].gather(-1, winner).squeeze(-1).long()

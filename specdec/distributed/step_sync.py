@@ -65,9 +65,9 @@ class StepSync:
             if self.is_driver:
                 message = StepMessage(tuple(self._events), self.digest)
                 self._events.clear()
-                ps.broadcast_object(message)
+                ps.broadcast_object(self.group, message)
                 return
-            message = ps.broadcast_object()
+            message = ps.broadcast_object(self.group)
         if message.stop:
             raise StopWorker
         if message.digest != self.digest:
@@ -90,4 +90,4 @@ class StepSync:
         """The driver ends the run: every worker's next exchange raises :class:`StopWorker`."""
         if self.is_driver:
             with ps.phase("control"):
-                ps.broadcast_object(StepMessage(stop=True))
+                ps.broadcast_object(self.group, StepMessage(stop=True))

@@ -33,11 +33,15 @@ class BuiltEngine:
     max_model_len: int
 
 
-def build_engine(args: EngineArgs) -> BuiltEngine:
-    """Load the target and the proposer's draft (this rank's shards), size the KV cache and build the
-    engine. Under tensor parallelism every rank calls this with the same ``args``; the ranks agree on
-    the default KV budget (the smallest any of them can afford)."""
-    tp = ps.current()
+def build_engine(args: EngineArgs, group: ps.TensorParallelGroup = ps.SINGLE) -> BuiltEngine:
+    """Load the target and the proposer's draft (this rank's shards of ``group``), size the KV cache
+    and build the engine. Under tensor parallelism every rank calls this with the same ``args``; the
+    ranks agree on the default KV budget (the smallest any of them can afford)."""
+    with ps.using(group):
+        return _build(args, group)
+
+
+def _build(args: EngineArgs, tp: ps.TensorParallelGroup) -> BuiltEngine:
     backend = get_backend(args.attention_backend)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                           max_num_batched_tokens=args.max_num_batched_tokens))
@@ -50,7 +54,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     cache = PagedKVCache(args.kv_cache_memory or 1)
     pools = register_pools(target, cache, backend, proposer, block_size=args.block_size, max_model_len=max_model_len)
     if args.kv_cache_memory is None:
-        cache.memory_budget = ps.min_over_ranks(default_kv_cache_memory(cache, args.max_num_seqs, max_model_len))
+        cache.memory_budget = ps.min_over_ranks(tp, default_kv_cache_memory(cache, args.max_num_seqs, max_model_len))
     engine = LLMEngine(
         target,
         cache,

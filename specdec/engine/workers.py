@@ -64,15 +64,19 @@ class WorkerGroup:
         self._store = None
         torchrun = torchrun_rank(self.size)
         if torchrun is None:
-            self._spawn(args)
+            self.group = self._spawn(args)
         else:
             rank, init_method = torchrun
             if rank != 0:
                 run_worker(rank, self.size, init_method, args)  # serves the driver, then exits the process
-            ps.initialize(0, self.size, init_method)
+            self.group = ps.initialize(0, self.size, init_method)
         torch.set_num_threads(per_rank_threads(self.size))
 
-    def _spawn(self, args: EngineArgs) -> None:
+    def _spawn(self, args: EngineArgs) -> ps.TensorParallelGroup:
+        if torch.distributed.is_initialized():
+            raise ValueError(
+                "this process already runs a tensor-parallel engine (one per process); close() that LLM first"
+            )
         context = torch.multiprocessing.get_context("spawn")
         fd, path = tempfile.mkstemp(prefix="specdec-tp-")
         os.close(fd)
@@ -88,7 +92,7 @@ class WorkerGroup:
             process.start()
             self._processes[rank] = process
         threading.Thread(target=self._watch, name="specdec-tp-watchdog", daemon=True).start()
-        ps.initialize(0, self.size, init_method)
+        return ps.initialize(0, self.size, init_method)
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
@@ -143,8 +147,7 @@ def run_worker(rank: int, size: int, init_method: str, args: EngineArgs) -> None
     from specdec.engine.build import build_engine
 
     torch.set_num_threads(per_rank_threads(size))
-    ps.initialize(rank, size, init_method)
-    engine = build_engine(args).engine
+    engine = build_engine(args, ps.initialize(rank, size, init_method)).engine
     try:
         while True:
             engine.step()

@@ -95,6 +95,7 @@ class DecoderOnlyLM(PrepackedLMHead, nn.Module):
         )
         self.model = model
         self.lm_head = None if self.tie_word_embeddings else VocabParallelHead(self.hidden_size, self.vocab_size)
+        self.bind_vocab_group()
 
     # ----- cache -----
     def kv_pools(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[KVPool]:

@@ -102,9 +102,15 @@ class PrepackedLMHead:
 
     Under tensor parallelism ``output_weight()`` holds this rank's rows of the vocabulary:
     :meth:`compute_logits` gathers every rank's logits, :meth:`greedy_ids` only each rank's best.
+    The model's constructor calls :meth:`bind_vocab_group` (the group it was built for).
     """
 
     _prepacked_head: torch.Tensor | None = None
+    vocab_group: "ps.TensorParallelGroup" = ps.SINGLE
+
+    def bind_vocab_group(self) -> None:
+        """Split the vocabulary over the group being built (:func:`specdec.distributed.parallel_state.current`)."""
+        self.vocab_group = ps.current()
 
     def output_weight(self) -> torch.Tensor:
         """The ``[vocab, hidden]`` rows the logits project onto (this rank's, under tensor parallelism)."""
@@ -120,12 +126,12 @@ class PrepackedLMHead:
         return linear(hidden_states, self.output_weight(), prepacked=self._prepacked_head)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return ps.gather_vocab(self.local_logits(hidden_states), self.output_vocab_size)
+        return ps.gather_vocab(self.vocab_group, self.local_logits(hidden_states), self.output_vocab_size)
 
     def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The argmax over the vocabulary of each row's logits (first on ties), without gathering them."""
         local = self.local_logits(hidden_states)
-        return ps.argmax_vocab(local.to(compute_dtype(local.dtype)), self.output_vocab_size)
+        return ps.argmax_vocab(self.vocab_group, local.to(compute_dtype(local.dtype)), self.output_vocab_size)
 
     def prepack_weights(self) -> None:
         """Prepack the output weight; :func:`prepack_weights` calls this beside each layer's own."""

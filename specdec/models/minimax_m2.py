@@ -40,15 +40,15 @@ class WidthSplitRMSNorm(RMSNorm):
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__(hidden_size, eps=eps)
-        self.tp_size = ps.current().size
+        self.tp = ps.current()
         self.tp_shards = {"weight": split_spec(0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return super().forward(x)
         work = compute_dtype(x.dtype)
         xw = x.to(work)
-        mean_square = ps.all_reduce(xw.pow(2).sum(dim=-1, keepdim=True)) / (x.shape[-1] * self.tp_size)
+        mean_square = ps.all_reduce(self.tp, xw.pow(2).sum(dim=-1, keepdim=True)) / (x.shape[-1] * self.tp.size)
         return (xw * torch.rsqrt(mean_square + self.eps) * self.weight.to(work)).to(x.dtype)
 
 

@@ -82,7 +82,7 @@ class FusedExperts(nn.Module):
         self.num_experts = num_experts
         # Tensor parallelism splits every expert's intermediate features; the ranks' outputs are summed.
         self.intermediate_size = local = tp.shard(intermediate_size, "the experts' intermediate_size")
-        self.tp_size = tp.size
+        self.tp = tp
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
         self.activation = activation
@@ -110,7 +110,7 @@ class FusedExperts(nn.Module):
         cd = compute_dtype(x.dtype)
         weighted = per_slot.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
         out = weighted.sum(dim=1)
-        return ps.all_reduce(out) if self.tp_size > 1 else out
+        return ps.all_reduce(self.tp, out) if self.tp.size > 1 else out
 
     def _every_expert(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``[T * k, H]`` outputs in (token, slot) order, from all ``E`` experts run on all tokens."""

@@ -106,15 +106,14 @@ class RowParallelLinear(Linear):
     (one all-reduce) and the bias added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, what: str = "in_features"):
-        local = ps.current().shard(in_features, what)
-        super().__init__(local, out_features, bias=bias)
+        self.tp = ps.current()
+        super().__init__(self.tp.shard(in_features, what), out_features, bias=bias)
         self.tp_shards = {"weight": split_spec(1)}
-        self.tp_size = ps.current().size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return super().forward(x)
-        y = ps.all_reduce(linear(x, self.weight, None, self.prepacked))
+        y = ps.all_reduce(self.tp, linear(x, self.weight, None, self.prepacked))
         return y if self.bias is None else y + self.bias
 
 
@@ -130,21 +129,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        tp = ps.current()
+        self.tp = tp = ps.current()
         self.num_embeddings = num_embeddings
-        self.tp_size = tp.size
         local = padded_vocab(num_embeddings) // tp.size
         self.vocab_start = tp.rank * local
         self.weight = nn.Parameter(torch.empty(local, embedding_dim))
         self.tp_shards = {"weight": ShardSpec(0, tp.rank, tp.size, padded_vocab(num_embeddings))}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return ps.all_reduce(out.masked_fill(outside[:, None], 0))
+        return ps.all_reduce(self.tp, out.masked_fill(outside[:, None], 0))
 
 
 class VocabParallelHead(nn.Module):

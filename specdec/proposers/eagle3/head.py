@@ -15,8 +15,10 @@ Subclasses supply the decoder layer's ``self_attn`` (MHA or MLA) and the cache p
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache.pool import KVPool
@@ -94,12 +96,15 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         self.fc_norm = nn.ModuleList(RMSNorm(target_hidden_size, eps=eps) for _ in range(n)) if config.fc_norm else None
         self.input_norm = RMSNorm(n * target_hidden_size, eps=eps) if config.norm_before_fc else None
         # Under tensor parallelism the decoder layer is split over the ranks like a target layer, or
-        # whole on every rank (no collectives in the layer); the vocabulary is split either way.
+        # whole on every rank with whole embeddings (no collectives before the LM head); the LM head's
+        # vocabulary is split either way.
+        self.shard_layer = shard_layer
         with contextlib.nullcontext() if shard_layer else ps.replicated():
             self.midlayer = self._build_layer(config)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
         self.norm = RMSNorm(hidden, eps=eps)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
         self.lm_head = VocabParallelHead(hidden, config.draft_vocab_size) if own_lm_head else None
+        self.bind_vocab_group()
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary = self._build_rotary(config)
@@ -141,14 +146,19 @@ class Eagle3Head(PrepackedLMHead, nn.Module):
         """
         if self.embed_tokens is None:
             self._target_embed = target.embed
+            if self.vocab_group.size > 1 and not self.shard_layer:
+                # A layer whole on every rank reads whole embeddings: look the table up once (one
+                # all-reduce) so a draft step sends nothing but its (max, id) pairs.
+                table = target.embed(torch.arange(self.vocab_size, device=self.d2t.device))
+                self._target_embed = functools.partial(F.embedding, weight=table)
         if self.lm_head is None:
             ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))
             weight = target_output_weight.detach()
             if ids.numel() == self.vocab_size and bool((ids == torch.arange(ids.numel(), device=ids.device)).all()):
                 self._shared_lm_head = weight  # the same vocabulary, split the same way
             else:
-                tp = ps.current()
-                full = ps.all_gather(weight, dim=0)[: self.vocab_size] if tp.size > 1 else weight
+                tp = self.vocab_group
+                full = ps.all_gather(tp, weight, dim=0)[: self.vocab_size] if tp.size > 1 else weight
                 rows = full[ids.to(weight.device)]
                 self._shared_lm_head = ShardSpec(0, tp.rank, tp.size, padded_vocab(self.draft_vocab_size)).take(rows)
 

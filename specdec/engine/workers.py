@@ -59,6 +59,7 @@ class WorkerGroup:
 
     def __init__(self, args: EngineArgs):
         self.size = args.tensor_parallel_size
+        self._threads = torch.get_num_threads()  # the driver's, given back on close
         self._closed = threading.Event()
         self._processes: dict[int, object] = {}
         self._store = None
@@ -125,6 +126,7 @@ class WorkerGroup:
                 process.kill()
                 process.join(timeout=5)
         ps.shutdown()
+        torch.set_num_threads(self._threads)
         if self._store is not None:
             self._store.unlink(missing_ok=True)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 from typing import Callable, Sequence
 
-from specdec.distributed import parallel_state as ps
 from specdec.engine.build import build_engine
 from specdec.engine_args import EngineArgs
 from specdec.output_processor import OutputProcessor
@@ -44,7 +43,10 @@ class LLM:
             self._workers = WorkerGroup(args)
             atexit.register(self.close)
         try:
-            built = build_engine(args, self._workers.group if self._workers is not None else ps.SINGLE)
+            if self._workers is None:
+                built = build_engine(args)
+            else:
+                built = build_engine(args, self._workers.group, on_step_failure=self._workers.step_failed)
         except BaseException:
             self.close()
             raise
@@ -57,6 +59,7 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank; also runs at interpreter exit)."""
         if self._workers is not None:
+            atexit.unregister(self.close)  # the registration would keep this LLM alive until exit
             engine = getattr(self, "engine", None)
             self._workers.close(engine.sync if engine is not None else None)
             self._workers = None

@@ -29,11 +29,14 @@ import torch.distributed as dist
 
 @attrs.frozen
 class TensorParallelGroup:
-    """``rank`` of ``size`` ranks; ``group`` is the torch process group (None for one rank)."""
+    """``rank`` of ``size`` ranks; ``group`` is the torch process group (None for one rank), ``idle``
+    a second group over the same ranks, without a practical timeout, for the driver's step messages:
+    workers wait there for as long as the driver has no requests."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    idle: Any = None
 
     @property
     def is_driver(self) -> bool:
@@ -82,15 +85,26 @@ def replicated():
     return using(SINGLE)
 
 
+# Workers wait for the driver's next step message this long (a server idle overnight is not an error);
+# a driver that dies is noticed sooner, by its closed connections or the worker's parent watch.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
 def initialize(rank: int, size: int, init_method: str, *, timeout_s: float | None = None) -> TensorParallelGroup:
-    """Join the ``size``-rank group (gloo on CPUs, nccl on GPUs) as ``rank``; build inside :func:`using` it."""
+    """Join the ``size``-rank group (gloo on CPUs, nccl on GPUs) as ``rank``; build inside :func:`using` it.
+
+    A collective inside a step fails after ``timeout_s`` (default: ``SPECDEC_TP_TIMEOUT`` seconds, 600)."""
     if size == 1:
         return SINGLE
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("SPECDEC_TP_BACKEND") != "gloo" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("SPECDEC_TP_TIMEOUT", 600)))
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-    return TensorParallelGroup(rank, size, dist.group.WORLD)
+        # The world group waits as long as it takes: for a rank to join (a slow start is not an error:
+        # a rank that dies is reported by the driver's watchdog, or by torchrun) and, as ``idle``, for
+        # the driver's next step message.
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    steps = dist.new_group(backend=backend, timeout=timeout)
+    return TensorParallelGroup(rank, size, steps, dist.group.WORLD)
 
 
 def shutdown() -> None:
@@ -154,14 +168,15 @@ def all_gather(tp: TensorParallelGroup, x: torch.Tensor, dim: int = -1) -> torch
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_object(tp: TensorParallelGroup, obj: Any = None) -> Any:
-    """The driver's ``obj`` on every rank (others pass anything)."""
+def broadcast_object(tp: TensorParallelGroup, obj: Any = None, *, idle: bool = False) -> Any:
+    """The driver's ``obj`` on every rank (others pass anything). ``idle``: through the group without
+    a timeout (the workers may wait here for a long time)."""
     if tp.size == 1:
         return obj
     if tp.is_driver:
         counter.add((tp.size - 1) * len(pickle.dumps(obj)))
     box = [obj if tp.is_driver else None]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.idle if idle else tp.group)
     return box[0]
 
 

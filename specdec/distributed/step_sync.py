@@ -13,7 +13,7 @@ uses for its tensor-parallel schedulers; the per-step message costs one small br
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -39,11 +39,17 @@ class StepMessage:
 class StepSync:
     """One rank's side of the lockstep (see the module docstring); the engine calls it."""
 
-    def __init__(self, group: ps.TensorParallelGroup):
+    def __init__(self, group: ps.TensorParallelGroup, on_failure: Callable[[BaseException], None] | None = None):
+        """``on_failure``: called on the driver with an error a step raised (a collective failing
+        because a worker died...), before it propagates."""
         self.group = group
+        self.on_failure = on_failure
         self._events: list[tuple[Any, ...]] = []
         self.digest = 0  # a hash of every (request, tokens) the engine emitted, step by step
         self.steps = 0
+        # True from a step's start until it completes: a step that raised leaves the workers inside it
+        # (waiting in a collective), where no stop message can reach them.
+        self.interrupted = False
 
     @property
     def is_driver(self) -> bool:
@@ -59,15 +65,30 @@ class StepSync:
         if self.is_driver:
             self._events.append(("abort", request_id, reason))
 
-    def exchange(self, engine) -> None:
+    def step(self, engine, take_step: Callable[[], Any]) -> Any:
+        """One lockstep step of ``engine``: exchange the changes, ``take_step()``, fold its output in."""
+        self.interrupted = True
+        try:
+            self._exchange(engine)
+            out = take_step()
+        except BaseException as err:
+            if self.on_failure is not None and self.is_driver and not isinstance(err, KeyboardInterrupt):
+                self.on_failure(err)
+            raise
+        self.interrupted = False
+        self.steps += 1
+        self.digest = hash((self.digest, tuple((r.request_id, r.new_token_ids) for r in out.requests)))
+        return out
+
+    def _exchange(self, engine) -> None:
         """Before a step: the driver sends its changes; a worker receives them and applies them to ``engine``."""
         with ps.phase("control"):
             if self.is_driver:
                 message = StepMessage(tuple(self._events), self.digest)
                 self._events.clear()
-                ps.broadcast_object(self.group, message)
+                ps.broadcast_object(self.group, message, idle=True)
                 return
-            message = ps.broadcast_object(self.group)
+            message = ps.broadcast_object(self.group, idle=True)
         if message.stop:
             raise StopWorker
         if message.digest != self.digest:
@@ -81,13 +102,8 @@ class StepSync:
             else:
                 engine.abort(event[1], event[2])
 
-    def stepped(self, output) -> None:
-        """After a step: fold the step's emitted tokens into the digest."""
-        self.steps += 1
-        self.digest = hash((self.digest, tuple((r.request_id, r.new_token_ids) for r in output.requests)))
-
     def stop(self) -> None:
         """The driver ends the run: every worker's next exchange raises :class:`StopWorker`."""
         if self.is_driver:
             with ps.phase("control"):
-                ps.broadcast_object(self.group, StepMessage(stop=True))
+                ps.broadcast_object(self.group, StepMessage(stop=True), idle=True)

@@ -33,15 +33,18 @@ class BuiltEngine:
     max_model_len: int
 
 
-def build_engine(args: EngineArgs, group: ps.TensorParallelGroup = ps.SINGLE) -> BuiltEngine:
+def build_engine(
+    args: EngineArgs, group: ps.TensorParallelGroup = ps.SINGLE, on_step_failure=None
+) -> BuiltEngine:
     """Load the target and the proposer's draft (this rank's shards of ``group``), size the KV cache
     and build the engine. Under tensor parallelism every rank calls this with the same ``args``; the
-    ranks agree on the default KV budget (the smallest any of them can afford)."""
+    ranks agree on the default KV budget (the smallest any of them can afford). ``on_step_failure``:
+    see :class:`~specdec.distributed.step_sync.StepSync`."""
     with ps.using(group):
-        return _build(args, group)
+        return _build(args, group, on_step_failure)
 
 
-def _build(args: EngineArgs, tp: ps.TensorParallelGroup) -> BuiltEngine:
+def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure) -> BuiltEngine:
     backend = get_backend(args.attention_backend)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                           max_num_batched_tokens=args.max_num_batched_tokens))
@@ -66,7 +69,7 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup) -> BuiltEngine:
         seed=args.seed,
         pools=pools,
         enable_prefix_caching=args.enable_prefix_caching,
-        sync=StepSync(tp) if tp.size > 1 else None,
+        sync=StepSync(tp, on_step_failure) if tp.size > 1 else None,
     )
     return BuiltEngine(engine, load_tokenizer(args.model), max_model_len)
 

@@ -261,10 +261,7 @@ class LLMEngine:
         """One step over the scheduled requests (phases in the module docstring)."""
         if self.sync is None:
             return self._step()
-        self.sync.exchange(self)  # every rank takes the same step on the same requests
-        out = self._step()
-        self.sync.stepped(out)
-        return out
+        return self.sync.step(self, self._step)  # every rank takes the same step on the same requests
 
     def _step(self) -> StepOutput:
         batch = self.scheduler.schedule()

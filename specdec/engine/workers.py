@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ class WorkerGroup:
         self.size = args.tensor_parallel_size
         self._threads = torch.get_num_threads()  # the driver's, given back on close
         self._closed = threading.Event()
+        self._reporting = threading.Lock()
         self._processes: dict[int, object] = {}
         self._store = None
         torchrun = torchrun_rank(self.size)
@@ -84,10 +86,11 @@ class WorkerGroup:
         os.unlink(path)  # the file store creates it
         self._store = Path(path)
         init_method = f"file://{path}"
-        self._errors = context.SimpleQueue()
+        # A pipe, not a queue: a queue's lock is a semaphore that a worker ending in os._exit would leak.
+        self._errors, errors_out = context.Pipe(duplex=False)
         for rank in range(1, self.size):
             process = context.Process(
-                target=_spawned_worker, args=(rank, self.size, init_method, args, self._errors, os.getpid()),
+                target=_spawned_worker, args=(rank, self.size, init_method, args, errors_out, os.getpid()),
                 name=f"specdec-tp-{rank}", daemon=False,
             )
             process.start()
@@ -97,24 +100,46 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
-            for rank, process in self._processes.items():
-                if process.exitcode is None:
-                    continue
+            if self._dead_worker() is not None:
                 if self._closed.wait(REPORT_GRACE_SECONDS):
                     return
-                reason = self._error() or f"exit code {process.exitcode}"
-                print(f"specdec: tensor-parallel worker rank {rank} died ({reason}); the driver exits",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
+                self._exit_reporting(self._dead_worker())
 
-    def _error(self) -> str | None:
-        return None if self._errors.empty() else self._errors.get()
+    def _dead_worker(self) -> int | None:
+        return next((rank for rank, p in self._processes.items() if p.exitcode is not None), None)
+
+    def _exit_reporting(self, rank: int) -> None:
+        """One line naming the dead worker, then end the driver (it may be blocked in a collective)."""
+        self._reporting.acquire()  # the watchdog and a failed step may both get here: one line only
+        reason = self._reported_error() or f"exit code {self._processes[rank].exitcode}"
+        print(f"specdec: tensor-parallel worker rank {rank} died ({reason}); the driver exits",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _reported_error(self) -> str | None:
+        try:
+            return self._errors.recv() if self._errors.poll() else None
+        except EOFError:  # every worker gone without a word
+            return None
+
+    def step_failed(self, error: BaseException) -> None:
+        """A step raised on the driver: if a worker died (which fails the driver's collectives), report
+        that in one line and exit instead of raising the collective's error."""
+        deadline = time.monotonic() + REPORT_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            rank = self._dead_worker()
+            if rank is not None:
+                self._exit_reporting(rank)
+            time.sleep(0.05)
 
     def close(self, sync=None) -> None:
-        """Stop the workers: tell them through ``sync`` (the engine's, once built) or end them."""
+        """Stop the workers: tell them through ``sync`` (the engine's, once built, unless a step was
+        interrupted and left them inside it) or end them."""
         if self._closed.is_set():
             return
         self._closed.set()
+        if sync is not None and sync.interrupted:
+            sync = None
         if sync is not None:
             try:
                 sync.stop()
@@ -171,14 +196,12 @@ def _spawned_worker(rank: int, size: int, init_method: str, args: EngineArgs, er
         raise
     except BaseException as err:  # noqa: BLE001 - reported to the driver in one line, then exit
         first = str(err).splitlines()[0] if str(err) else ""
-        errors.put(f"{type(err).__name__}: {first}" if first else type(err).__name__)
+        errors.send(f"{type(err).__name__}: {first}" if first else type(err).__name__)
         sys.exit(1)
 
 
 def _exit_with_driver(driver_pid: int) -> None:
     """A worker whose driver is gone (killed without a goodbye) exits too."""
-    import time
-
     while os.getppid() == driver_pid:
         time.sleep(0.5)
     os._exit(1)

@@ -36,7 +36,7 @@ class GQASelfAttention(nn.Module):
         self.layer_idx = layer_idx
         num_heads, num_kv_heads, self.head_dim = gqa_dims(config)
         # This rank's heads (all of them with one rank); KV heads fewer than the ranks are replicated.
-        q_heads = HeadShard.of(num_heads, "num_attention_heads")
+        q_heads = HeadShard.split(num_heads, "num_attention_heads")
         kv_heads = HeadShard.of(num_kv_heads, "num_key_value_heads")
         self.num_heads, self.num_kv_heads = q_heads.local, kv_heads.local
         self.scale = self.head_dim**-0.5

@@ -17,8 +17,6 @@ With one rank every layer is the plain layer it replaces, bit for bit.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import attrs
 import torch
 import torch.nn.functional as F
@@ -85,10 +83,18 @@ class HeadShard:
     spec: ShardSpec
 
     @classmethod
+    def split(cls, total: int, what: str) -> "HeadShard":
+        """An even split (query heads); a one-line error naming ``what`` when the ranks do not divide it."""
+        tp = ps.current()
+        return cls(tp.shard(total, what), ShardSpec(0, tp.rank, tp.size))
+
+    @classmethod
     def of(cls, total: int, what: str) -> "HeadShard":
+        """KV heads: an even split, or, with fewer heads than ranks (dividing them), the one head this
+        rank's query heads read."""
         tp = ps.current()
         if total >= tp.size or tp.size % total:
-            return cls(tp.shard(total, what), ShardSpec(0, tp.rank, tp.size))
+            return cls.split(total, what)
         return cls(1, ShardSpec(0, tp.rank * total // tp.size, total))
 
 
@@ -153,10 +159,3 @@ class VocabParallelHead(nn.Module):
         tp = ps.current()
         self.weight = nn.Parameter(torch.empty(padded_vocab(vocab_size) // tp.size, hidden_size))
         self.tp_shards = {"weight": ShardSpec(0, tp.rank, tp.size, padded_vocab(vocab_size))}
-
-
-def check_divisible(values: Sequence[tuple[int, str]]) -> None:
-    """One-line error for the first ``(value, what)`` the rank count does not divide."""
-    tp = ps.current()
-    for value, what in values:
-        tp.shard(value, what)

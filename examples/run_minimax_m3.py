@@ -13,7 +13,13 @@ The same script drives a real checkpoint, mirroring seed 001's server command
 --block-size 128``)::
 
     python examples/run_minimax_m3.py --model /ckpt/MiniMax-M3 --draft /ckpt/MiniMax-M3-EAGLE3 \\
-        --attention-backend aiter --block-size 128 --num-speculative-tokens 3 --max-tokens 256
+        --attention-backend aiter --block-size 128 --num-speculative-tokens 3 --max-tokens 256 \\
+        --tensor-parallel-size 4
+
+``--tensor-parallel-size N`` splits both engines over N processes (this one and N-1 workers it
+starts; ``python examples/run_minimax_m3.py --tensor-parallel-size 2`` on the zoo pair). One
+tensor-parallel engine runs at a time in a process, so with N > 1 the two engines run one after the
+other (each closed before the next starts) rather than prompt by prompt in turn.
 
 Greedy speculation is lossless, so both runs print the same text (up to rounding in low
 precisions). Errors exit with status 2 and one ``error:`` line.
@@ -60,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", default="torch", metavar="NAME",
                         help="torch | triton | aiter (default: torch)")
     parser.add_argument("--block-size", type=int, default=128, metavar="N", help="target KV page size (default: 128)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="only 1 is supported so far")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="processes the weights and KV heads are split over (default: 1)")
     parser.add_argument("--max-tokens", type=int, default=48, metavar="N", help="tokens per prompt (default: 48)")
     parser.add_argument("--dtype", default="auto", metavar="NAME", help="auto | float32 | float64 | bfloat16 | float16")
     parser.add_argument("--max-model-len", type=int, metavar="N", help="prompt + output tokens per request")
@@ -102,13 +109,27 @@ def timed_generate(llms: dict, prompts, params) -> dict[str, tuple[list, float]]
     return {name: (outs, sum(len(o.token_ids) for o in outs) / wall[name]) for name, outs in outputs.items()}
 
 
+def run_engines(builders: dict, prompts, params, tensor_parallel_size: int) -> dict[str, tuple[list, float, object]]:
+    """Per engine (built by ``builders[name]()``): its outputs, output tokens/s and speculation stats.
+
+    With one rank both engines are alive together and take the prompts in turn (:func:`timed_generate`);
+    a process holds one tensor-parallel engine at a time, so with more each runs alone, then closes."""
+    if tensor_parallel_size == 1:
+        llms = {name: build() for name, build in builders.items()}
+        timed = timed_generate(llms, prompts, params)
+        return {name: (*timed[name], llms[name].spec_stats()) for name in llms}
+    results = {}
+    for name, build in builders.items():
+        llm = build()
+        try:
+            results[name] = (*timed_generate({name: llm}, prompts, params)[name], llm.spec_stats())
+        finally:
+            llm.close()  # stops its worker processes before the next engine starts its own
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size != 1:
-        raise _UsageError(
-            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet; specdec runs on one device "
-            "(use --tensor-parallel-size 1)"
-        )
-    for name in ("num_speculative_tokens", "max_tokens", "block_size"):
+    for name in ("num_speculative_tokens", "max_tokens", "block_size", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     model, draft = resolve_checkpoints(args)
@@ -119,13 +140,13 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
     common = dict(attention_backend=args.attention_backend, dtype=args.dtype, block_size=args.block_size,
-                  max_model_len=args.max_model_len, max_num_seqs=1)
+                  max_model_len=args.max_model_len, max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size)
+    ranks = f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"target: {model}\ndraft:  {draft}  (eagle3, k={args.num_speculative_tokens}, block size {args.block_size}, "
-          f"backend {args.attention_backend})")
-    llm = LLM(model, speculative_config=spec, **common)
-    timed = timed_generate({"baseline": LLM(model, **common), "spec": llm}, prompts, params)
-    (baseline, base_tps), (outputs, spec_tps) = timed["baseline"], timed["spec"]
-    stats = llm.spec_stats()
+          f"backend {args.attention_backend}{ranks})")
+    builders = {"spec": lambda: LLM(model, speculative_config=spec, **common), "baseline": lambda: LLM(model, **common)}
+    timed = run_engines(builders, prompts, params, args.tensor_parallel_size)
+    (baseline, base_tps, _), (outputs, spec_tps, stats) = timed["baseline"], timed["spec"]
 
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))

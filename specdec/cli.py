@@ -1,7 +1,11 @@
-"""The ``specdec`` command line: ``specdec generate ...`` and ``specdec bench ...``.
+"""The ``specdec`` command line: ``specdec generate ...``, ``specdec bench ...`` and ``specdec serve ...``.
 
 Errors (bad arguments, missing folders, unknown names, requests that cannot fit) exit with status
 2 and one ``error:`` line on stderr, never a traceback.
+
+With ``--tensor-parallel-size N`` the command is rank 0 and spawns ranks 1..N-1, which re-import the
+main module: the ``specdec`` script, ``python -m specdec`` and ``python -m specdec.cli`` all run
+:func:`main` only under ``if __name__ == "__main__"``.
 """
 
 from __future__ import annotations
@@ -182,6 +186,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(EngineArgs(**cli_values(args, EngineArgs)))
     steps: list[StepOutput] = []
     outputs = llm.generate(args.prompts, params, on_step=steps.append if args.trace else None)
+    llm.close()  # the tensor-parallel workers stop before anything is printed
     stats = llm.spec_stats()
     if args.json:
         result = {

@@ -50,20 +50,24 @@ def test_metrics_follow_vllm_definitions():
 
 
 # ----------------------------------------------------------------------------- a real run
-@pytest.fixture(scope="module")
-def bench_json(llama):
+def _bench_json(llama, *extra: str) -> dict:
     proc = subprocess.run(
         [
             # The default KV budget: it must hold CONCURRENCY requests in whole pages.
             sys.executable, "-m", "specdec.cli", "bench", "--model", llama, "--dtype", "float64",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--num-prompts", str(NUM_PROMPTS), "--concurrency", str(CONCURRENCY), "--warmup", "1",
-            "--speculative-config", NGRAM, "--json",
+            "--speculative-config", NGRAM, "--json", *extra,
         ],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def bench_json(llama):
+    return _bench_json(llama)
 
 
 def _check_run(run: dict) -> None:
@@ -113,6 +117,19 @@ def test_json_fields_are_consistent(bench_json):
         assert result["deltas"][key] == pytest.approx((spec[key] - base[key]) / base[key])
     settings = result["settings"]
     assert settings["speculative_config"]["method"] == "ngram" and settings["num_prompts"] == NUM_PROMPTS
+    assert settings["tensor_parallel_size"] == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_count_what_one_counts(bench_json, llama):
+    # Each run's LLM stops its worker before the next run starts its own (one group per process).
+    two = _bench_json(llama, "--tensor-parallel-size", "2")
+    assert two["settings"]["tensor_parallel_size"] == 2
+    assert two["identical_outputs"] == NUM_PROMPTS
+    for run in ("baseline", "speculative"):
+        _check_run(two[run])
+    # Greedy float64 on two ranks emits the same tokens, so n-gram drafts and acceptance are the same.
+    assert two["speculative"]["spec_stats"] == bench_json["speculative"]["spec_stats"]
 
 
 def test_acceptance_matches_spec_stats(bench_json, llama):

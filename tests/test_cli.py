@@ -61,6 +61,22 @@ def test_generate_json_with_speculation_and_trace(llama):
         assert any(out[i : i + len(entry["emitted_token_ids"])] == entry["emitted_token_ids"] for i in range(len(out)))
 
 
+@pytest.mark.slow
+def test_generate_on_two_ranks_through_python_m_specdec(llama):
+    # python -m specdec: the spawned worker imports the main module again, which must not run the CLI.
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec", "generate", "--model", llama, "--dtype", "float64", "--kv-cache-memory", "4M",
+         "--tensor-parallel-size", "2", "--prompt", "def hello ( x ) :", "--prompt-ids", "5,6,7",
+         "--max-tokens", "8", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    llm = LLM(llama, dtype="float64", kv_cache_memory=4 << 20)
+    expected = llm.generate(["def hello ( x ) :", [5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+    assert json.loads(proc.stdout)["outputs"] == [o.as_dict() for o in expected]
+
+
 def test_plain_output_and_help(llama):
     proc = run("generate", "--model", llama, "--prompt", "hello world", "--max-tokens", "3")
     assert proc.returncode == 0, proc.stderr
@@ -105,6 +121,10 @@ def test_errors_from_a_real_process(args, needle):
         (["generate", "--model", "{llama}", "--prompt-ids", "1,999"], "vocabulary"),
         (["generate", "--model", "{llama}", "--prompt", "x", "--speculative-config", "warp:k=3"], "warp"),
         (["generate", "--model", "{llama}", "--prompt", "x", "--block-size", "0"], "block_size"),
+        (["generate", "--model", "{llama}", "--prompt", "x", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
+        # The target's 4 heads do not split over 3 ranks: found before any process starts.
+        (["generate", "--model", "{llama}", "--prompt", "x", "--tensor-parallel-size", "3"],
+         "(4) is not divisible by tensor_parallel_size 3"),
         (["frobnicate"], "frobnicate"),
     ],
 )

@@ -2,8 +2,8 @@
 
 The pair is the oracle construction of ``tests/proposers`` (a nearly-bigram M3 target with
 128-token block-sparse layers and an EAGLE3 draft, ``layers.0.*`` keys, that computes the same
-bigram), so the printed acceptance is high and checkable; a word-level tokenizer is added to the
-target so the script's text prompts work. The zoo-missing message runs with the zoo folder
+bigram), so the printed acceptance is high and checkable (on one rank and on two); a word-level
+tokenizer is added to the target so the script's text prompts work. The zoo-missing message runs with the zoo folder
 pointed at an empty directory.
 """
 
@@ -61,12 +61,15 @@ def run_script(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_runs_a_tiny_m3_pair_end_to_end(pair):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_runs_a_tiny_m3_pair_end_to_end(pair, ranks):
     target, draft = pair
-    proc = run_script("--model", str(target), "--draft", str(draft), "--max-tokens", "12")
+    proc = run_script("--model", str(target), "--draft", str(draft), "--max-tokens", "12",
+                      "--tensor-parallel-size", str(ranks))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "eagle3, k=3, block size 128" in out
+    assert ("tensor parallel 2" in out) == (ranks == 2)
     assert out.count("--- prompt ") == 5 and out.count("(12 tokens)") == 5
     # Greedy float64 speculation is lossless.
     assert "outputs identical without speculation: 5/5" in out
@@ -99,7 +102,9 @@ def _load_example():
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--tensor-parallel-size", "4"], "--tensor-parallel-size 4 is not supported"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+        # Found on the target's shapes before any process starts (the zoo target has 6 heads).
+        (["--tensor-parallel-size", "4"], "(6) is not divisible by tensor_parallel_size 4"),
         (["--model", "/some/target"], "--model and --draft together"),
         (["--model", "/no/such/target", "--draft", "/no/such/draft"], "does not exist"),
         (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1"),

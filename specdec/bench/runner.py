@@ -79,9 +79,19 @@ def _max_model_len(config: BenchConfig, workload: Workload) -> int:
 
 def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, progress) -> dict[str, Any]:
     from specdec.llm import LLM
-    from specdec.sampling.params import SamplingParams
 
     llm = LLM.from_engine_args(config.engine_args(spec, max_model_len))
+    try:
+        return _measure(llm, config, workload, progress)
+    finally:
+        llm.close()  # its tensor-parallel workers stop before the next run starts its own
+        del llm
+        gc.collect()  # the next run's model and cache should not sit next to this one's
+
+
+def _measure(llm, config: BenchConfig, workload: Workload, progress) -> dict[str, Any]:
+    from specdec.sampling.params import SamplingParams
+
     params = SamplingParams(max_tokens=config.output_len, temperature=config.temperature, ignore_eos=True)
     engine = llm.engine
     if workload.warmup:
@@ -103,8 +113,6 @@ def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, prog
     result["spec_stats"] = stats.as_dict() if stats is not None else None
     result["requests"] = [r.as_dict(start) for r in records]
     result["_outputs"] = outputs
-    del llm, engine
-    gc.collect()  # the next run's model and cache should not sit next to this one's
     return result
 
 
@@ -134,6 +142,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "dtype": config.dtype,
         "block_size": config.block_size,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "tensor_parallel_size": config.tensor_parallel_size,
         "workload": workload.name,
         "workload_description": workload.description,
         "prompt_source": workload.source,
@@ -183,7 +192,7 @@ def _runs_over_http(config: BenchConfig, workload: Workload, settings: dict[str,
         if spec is not None:
             settings["speculative_config"] = spec
     settings.update(base_url=config.base_url, baseline_url=config.baseline_url, attention_backend="(server's)",
-                    dtype="(server's)", enable_prefix_caching="(server's)")
+                    dtype="(server's)", enable_prefix_caching="(server's)", tensor_parallel_size="(server's)")
     if len(runs) == 2:
         return runs[0], runs[1]
     return (runs[0], None) if settings["speculative_config"] is None else (None, runs[0])

@@ -56,8 +56,10 @@ def format_table(result: dict[str, Any]) -> str:
     where = f"server: {s['base_url']}  " if s.get("base_url") else ""
     source = s.get("prompt_source") or ("dataset " + s["dataset"] if s.get("dataset") else "synthetic")
     shape = f"{s['workload_description']} from " if s.get("workload_description") else ""
+    tp = s.get("tensor_parallel_size", 1)
+    ranks = f"tensor parallel: {tp}  " if tp not in (1, "(server's)") else ""
     lines = [
-        f"{where}model: {s['model']}  backend: {s['attention_backend']}  dtype: {s['dtype']}  "
+        f"{where}model: {s['model']}  backend: {s['attention_backend']}  dtype: {s['dtype']}  {ranks}"
         f"prompts: {s['num_prompts']} ({shape}{source})  warm-up: {s['warmup']}",
     ]
     for row in rows:  # the label left-aligned, numbers right-aligned

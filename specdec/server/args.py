@@ -35,13 +35,11 @@ VLLM_ONLY: dict[str, tuple[bool, str]] = {
     "--language-model-only": (False, "only language models are served"),
     "--additional-config": (True, "no platform plug-in reads it"),
     "--kv-cache-dtype": (True, "the KV cache is kept in the model's dtype"),
-    "--tensor-parallel-size": (True, "one process serves the model"),
     "--disable-log-requests": (False, "requests are not logged"),
     "--disable-log-stats": (False, "the periodic stats line stays on"),
 }
 # Values of VLLM_ONLY flags that are accepted (anything else is an error naming the flag).
 _CHECKED_VALUES = {
-    "--tensor-parallel-size": ("1",),
     "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
 }
 SPEC_PREFIX = "--speculative-config."
@@ -136,9 +134,8 @@ def split_vllm_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, Any], li
         allowed = _CHECKED_VALUES.get(name)
         if allowed is not None and value not in allowed:
             raise ServerArgsError(f"{name} {value} is not supported: {instead}; allowed: {', '.join(allowed)}")
-        if (name, value) != ("--tensor-parallel-size", "1"):  # one process is what it asks for
-            shown = name if value is None else f"{name} {value}"
-            warnings.append(f"warning: {shown} is a vLLM flag that specdec ignores: {instead}")
+        shown = name if value is None else f"{name} {value}"
+        warnings.append(f"warning: {shown} is a vLLM flag that specdec ignores: {instead}")
     return rest, spec, warnings
 
 

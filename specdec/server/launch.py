@@ -36,6 +36,10 @@ class Server:
         if args.engine_process:
             from specdec.tokenizer import load_tokenizer
 
+            if args.tensor_parallel_size > 1:
+                from specdec.engine.workers import check_shards
+
+                check_shards(args)  # a size that does not shard: one line here, before any process starts
             transport = EngineProcess(args)
             self.tokenizer = load_tokenizer(args.model)
         else:

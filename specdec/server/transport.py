@@ -11,14 +11,23 @@ over two pipes; a reader thread in the server hands each message to the front en
 In a thread (``--no-engine-process``) the core shares the server's process: tests use it to look
 inside the engine, and a proposer registered in code (not by entry point) is only known there, since
 an engine process is spawned afresh and sees what the package and its entry points register.
+
+With ``--tensor-parallel-size`` above 1 the engine (in its process or in the server's) is rank 0 and
+starts the other ranks' worker processes itself. A daemonic process may not start processes, so the
+engine process is then an ordinary child; either way it ends with the server: :meth:`EngineProcess.stop`
+(the server's shutdown, or the server's interpreter exiting without one), or the command pipe closing
+when the server dies outright. Whichever way the engine's loop ends, ``LLM.close()`` stops the workers,
+and workers whose driver is gone exit too.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import queue
 import signal
 import threading
+import weakref
 from typing import Any, Callable
 
 from specdec.server.engine_core import NOTHING, STOP, EngineCore, Ready, StartFailed
@@ -59,6 +68,9 @@ class EngineThread:
         self._commands.put(STOP)
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                return  # still inside a step: closing now would race it; the process exit ends the workers
+        self.llm.close()  # the tensor-parallel workers (nothing with one rank)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -77,15 +89,19 @@ class EngineProcess:
         self._events_in, events_out = context.Pipe(duplex=False)
         import torch
 
-        # The engine computes with this process's thread count, as it would in a thread of it.
+        # The engine computes with this process's thread count, as it would in a thread of it. A daemonic
+        # process cannot start the workers of tensor_parallel_size > 1 (see the module docstring).
         self._process = context.Process(target=_engine_main,
                                         args=(args, torch.get_num_threads(), commands_in, events_out),
-                                        name="specdec-engine", daemon=True)
+                                        name="specdec-engine", daemon=args.tensor_parallel_size == 1)
         self._process.start()
         commands_in.close()
         events_out.close()
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would
+        # wait for an ordinary child forever and terminate a daemonic one that ignores SIGTERM.
+        atexit.register(_stop_at_exit, weakref.ref(self))
         ready = self._first_message()
         if isinstance(ready, StartFailed):
             self._process.join(timeout=30)
@@ -127,6 +143,7 @@ class EngineProcess:
                 pass  # the process is gone; the reader reports it
 
     def stop(self) -> None:
+        """Stop the engine process (it closes its LLM, and so its tensor-parallel workers, on the way out)."""
         self.send(STOP)
         self._process.join(timeout=30)
         if self._process.is_alive():
@@ -141,6 +158,12 @@ class EngineProcess:
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+
+def _stop_at_exit(ref: "weakref.ref[EngineProcess]") -> None:
+    transport = ref()
+    if transport is not None and transport.alive():
+        transport.stop()
 
 
 def _engine_main(args, num_threads: int, commands, events) -> None:
@@ -159,7 +182,6 @@ def _engine_main(args, num_threads: int, commands, events) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the server as its one-line start error
         events.send(StartFailed(str(err).splitlines()[0] if str(err) else type(err).__name__))
         return
-    events.send(Ready(llm.max_model_len, llm.engine.num_speculative_tokens))
 
     def receive(timeout: float) -> Any:
         if not commands.poll(timeout):
@@ -167,6 +189,9 @@ def _engine_main(args, num_threads: int, commands, events) -> None:
         return commands.recv()
 
     try:
+        events.send(Ready(llm.max_model_len, llm.engine.num_speculative_tokens))
         EngineCore(llm.engine, llm.tokenizer).run(receive, events.send)
     except (EOFError, BrokenPipeError, OSError):
         pass  # the server is gone
+    finally:
+        llm.close()  # stops the tensor-parallel workers (nothing with one rank)

@@ -7,6 +7,9 @@
 - acceptance at position i = ``accepted_per_position[i] / num_drafts``; mean acceptance length
   (tau) = ``1 + num_accepted_tokens / num_drafts``; draft acceptance rate = accepted / drafted.
   With no drafts yet the rates are 0.0 and tau is 1.0 (each step emits its one target token).
+- ``num_drafts_histogram[j]``: (request, step) pairs that could draft and were given j drafts
+  (j = 0..k): k each without ``adaptive``, the controller's choices with it (a proposer may still
+  return fewer, which ``num_draft_tokens`` counts).
 """
 
 from __future__ import annotations
@@ -54,11 +57,20 @@ class SpecStats:
     num_draft_tokens: int = attrs.field(default=0, validator=_non_negative)
     num_accepted_tokens: int = attrs.field(default=0, validator=_non_negative)
     accepted_per_position: list[int] = attrs.field(factory=list, validator=_non_negative_list)
+    num_drafts_histogram: list[int] = attrs.field(factory=list, validator=_non_negative_list)
 
     @classmethod
     def for_k(cls, num_speculative_tokens: int) -> "SpecStats":
-        """Empty counters with ``accepted_per_position`` pre-sized to k (it grows if needed)."""
-        return cls(accepted_per_position=[0] * num_speculative_tokens)
+        """Empty counters with ``accepted_per_position`` pre-sized to k and the histogram to k + 1 (they grow if needed)."""
+        return cls(accepted_per_position=[0] * num_speculative_tokens,
+                   num_drafts_histogram=[0] * (num_speculative_tokens + 1))
+
+    def count_chosen(self, chosen: Sequence[int], caps: Sequence[int]) -> None:
+        """Add one step's draft counts: ``chosen[i]`` drafts for each request whose cap ``caps[i]`` allowed any."""
+        for count, cap in zip(chosen, caps):
+            if cap:
+                _grow(self.num_drafts_histogram, count + 1)
+                self.num_drafts_histogram[count] += 1
 
     def observe(self, num_drafts_per_request: Counts, num_accepted_per_request: Counts) -> None:
         """Add one step: per request, how many draft tokens it had and how many were accepted."""
@@ -74,9 +86,7 @@ class SpecStats:
         self.num_drafts += sum(d > 0 for d in drafted)
         self.num_draft_tokens += sum(drafted)
         self.num_accepted_tokens += sum(accepted)
-        longest = max(drafted, default=0)
-        if longest > len(self.accepted_per_position):
-            self.accepted_per_position.extend([0] * (longest - len(self.accepted_per_position)))
+        _grow(self.accepted_per_position, max(drafted, default=0))
         # A request with a accepted drafts counts at positions 0..a-1.
         for a in accepted:
             for i in range(a):
@@ -87,15 +97,17 @@ class SpecStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        longest = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        self.accepted_per_position += [0] * (longest - len(self.accepted_per_position))
-        for i, count in enumerate(other.accepted_per_position):
-            self.accepted_per_position[i] += count
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.num_drafts_histogram, other.num_drafts_histogram)):
+            _grow(mine, len(theirs))
+            for i, count in enumerate(theirs):
+                mine[i] += count
 
     def reset(self) -> None:
-        """Zero every counter (``accepted_per_position`` keeps its length)."""
+        """Zero every counter (the lists keep their lengths)."""
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * len(self.accepted_per_position)
+        self.num_drafts_histogram = [0] * len(self.num_drafts_histogram)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -121,4 +133,10 @@ class SpecStats:
             "acceptance_per_position": self.acceptance_per_position,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
+            "num_drafts_histogram": list(self.num_drafts_histogram),
         }
+
+
+def _grow(counts: list[int], length: int) -> None:
+    """Pad ``counts`` with zeros to ``length`` entries."""
+    counts.extend([0] * (length - len(counts)))

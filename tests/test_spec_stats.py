@@ -31,14 +31,29 @@ def test_empty_and_reset():
     assert stats.as_dict() == {
         "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
         "accepted_per_position": [0, 0, 0], "acceptance_per_position": [0.0, 0.0, 0.0],
-        "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0,
+        "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0, "num_drafts_histogram": [0, 0, 0, 0],
     }
     stats.observe(np.array([0, 0]), np.array([0, 0]))  # no drafts: nothing counts
     assert stats.num_drafts == 0
     stats.observe([5], [4])  # grows past the preset length
     assert stats.accepted_per_position == [1, 1, 1, 1, 0]
+    stats.count_chosen([3, 1, 0], [3, 3, 0])  # the third could not draft: not counted
+    stats.count_chosen([0], [3])
+    assert stats.num_drafts_histogram == [1, 1, 0, 1]
     stats.reset()
-    assert stats == SpecStats(accepted_per_position=[0] * 5)
+    assert stats == SpecStats(accepted_per_position=[0] * 5, num_drafts_histogram=[0] * 4)
+
+
+def test_add_merges_positions_and_histograms():
+    mine, theirs = SpecStats.for_k(2), SpecStats.for_k(4)
+    mine.observe([2], [1])
+    mine.count_chosen([2], [2])
+    theirs.observe([4], [4])
+    theirs.count_chosen([4, 0], [4, 4])
+    mine.add(theirs)
+    assert mine.accepted_per_position == [2, 1, 1, 1]
+    assert mine.num_drafts_histogram == [1, 0, 1, 0, 1]
+    assert mine.num_drafts == 2 and mine.num_accepted_tokens == 5
 
 
 def test_bad_input():

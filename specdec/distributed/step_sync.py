@@ -29,11 +29,13 @@ class StepMessage:
     """What the driver's engine did between two steps, for the workers to do too.
 
     ``events`` are ``("add", sequence)`` and ``("abort", request_id, reason)`` in the order they
-    happened; ``digest`` is the driver's :attr:`StepSync.digest` before this step."""
+    happened; ``digest`` is the driver's :attr:`StepSync.digest` before this step; ``state`` what the
+    driver's engine decides from that is its own (``LLMEngine.lockstep_state``: its timings)."""
 
     events: tuple[tuple[Any, ...], ...] = ()
     digest: int = 0
     stop: bool = False
+    state: Any = None
 
 
 class StepSync:
@@ -84,7 +86,7 @@ class StepSync:
         """Before a step: the driver sends its changes; a worker receives them and applies them to ``engine``."""
         with ps.phase("control"):
             if self.is_driver:
-                message = StepMessage(tuple(self._events), self.digest)
+                message = StepMessage(tuple(self._events), self.digest, state=engine.lockstep_state())
                 self._events.clear()
                 ps.broadcast_object(self.group, message, idle=True)
                 return
@@ -101,6 +103,7 @@ class StepSync:
                 engine.add_sequence(event[1])
             else:
                 engine.abort(event[1], event[2])
+        engine.load_lockstep_state(message.state)
 
     def stop(self) -> None:
         """The driver ends the run: every worker's next exchange raises :class:`StopWorker`."""

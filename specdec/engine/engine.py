@@ -32,6 +32,7 @@ from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
+from specdec.engine.goodput import FixedDrafts, GoodputController, calibrate
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
@@ -41,7 +42,7 @@ from specdec.proposers.base import Proposal, Proposer, StepFeedback
 from specdec.runtime.layout import StepLayout
 from specdec.runtime.model_runner import ModelRunner
 from specdec.runtime.sequence import Sequence as EngineSequence
-from specdec.sampling.logprobs import token_logprobs
+from specdec.sampling.logprobs import new_token_logprobs, prompt_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sampler import Sampler, SamplingBatch
 from specdec.spec_stats import SpecStats
@@ -79,6 +80,8 @@ class LLMEngine:
     - ``enable_prefix_caching``: reuse cached pages of identical prefixes (:mod:`specdec.engine.prefix_caching`).
     - ``sync``: under tensor parallelism, this rank's :class:`~specdec.distributed.step_sync.StepSync`
       (the driver broadcasts added and aborted requests before every step; every rank then steps).
+    - ``adaptive``: choose each request's drafts per step, up to k, for the most tokens per second
+      (:mod:`specdec.engine.goodput`); otherwise every request that may draft gets k.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class LLMEngine:
         pools: EnginePools | None = None,
         enable_prefix_caching: bool = True,
         sync: StepSync | None = None,
+        adaptive: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -128,6 +132,13 @@ class LLMEngine:
         self.sync = sync
         self.stats = EngineStats()
         self.spec_stats = SpecStats.for_k(self.num_speculative_tokens) if proposer is not None else None
+        self.draft_counts = FixedDrafts()  # how many drafts each request gets per step
+        if adaptive and proposer is not None:
+            self.draft_counts = GoodputController(self.num_speculative_tokens, device=self.device)
+            config = self.scheduler.config
+            calibrate(self.draft_counts, self._forward, cache.free, max_requests=config.max_num_seqs,
+                      max_rows=min(config.max_num_seqs * (self.num_speculative_tokens + 1),
+                                   config.max_num_batched_tokens or self.max_model_len))
         self._seed_rng = random.Random(seed)
         self._next_id = 0
 
@@ -200,6 +211,7 @@ class LLMEngine:
         self.scheduler.abort(seq, reason)
         self.cache.free(seq.seq_id)
         self.prefix.release(seq.seq_id)
+        self.draft_counts.forget(seq.seq_id)
         if self.proposer is not None:
             self.proposer.on_step(StepFeedback(finished=(seq.seq_id,)))
 
@@ -256,6 +268,15 @@ class LLMEngine:
             if bar is not None:
                 bar.close()
 
+    # ----- lockstep under tensor parallelism -----
+    def lockstep_state(self):
+        """What this rank decides from that is its own (the adaptive controller's timings): the driver
+        sends its own with each step, and every rank adopts it (:meth:`load_lockstep_state`)."""
+        return self.draft_counts.cost_state()
+
+    def load_lockstep_state(self, state) -> None:
+        self.draft_counts.load_cost_state(state)
+
     # ----- one step -----
     def step(self) -> StepOutput:
         """One step over the scheduled requests (phases in the module docstring)."""
@@ -264,6 +285,7 @@ class LLMEngine:
         return self.sync.step(self, self._step)  # every rank takes the same step on the same requests
 
     def _step(self) -> StepOutput:
+        self.draft_counts.step_began()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         preempted = tuple(seq.seq_id for seq in batch.preempted)
@@ -282,15 +304,18 @@ class LLMEngine:
                   for seq in seqs]
         ends = [s + n for s, n in zip(starts, batch.num_new_tokens)]
         samples = [end == seq.num_tokens for seq, end in zip(seqs, ends)]
-        drafts = self._propose(seqs, batch.max_drafts)
+        max_drafts = self._choose_drafts(seqs, batch.max_drafts, sum(batch.num_new_tokens))
+        self.draft_counts.lap("other")
+        drafts = self._propose(seqs, max_drafts)
+        self.draft_counts.lap("draft")
         draft_ids = drafts.draft_token_ids if drafts is not None else [[] for _ in seqs]
         tokens = [seq.token_ids[s:e] + d for seq, s, e, d in zip(seqs, starts, ends, draft_ids)]
         layout = StepLayout.build(
             [seq.seq_id for seq in seqs], starts, [len(t) for t in tokens], [len(d) for d in draft_ids], self.device,
             samples,
         )
-        output = self.runner.run(layout, tokens, self.aux_layer_ids)
-        logits = self.model.compute_logits(output.hidden_states[layout.verify_rows])
+        output, logits = self._forward(layout, tokens)
+        self.draft_counts.lap("target")
 
         # Only requests whose rows reach their last token sample; a prompt chunk ending earlier emits nothing.
         sampling_seqs = [seqs[i] for i in layout.sampling]
@@ -305,7 +330,9 @@ class LLMEngine:
             accepted, verified = self._verify(logits, layout, drafts, sampling)
             for j, i in enumerate(layout.sampling):
                 num_accepted[i], emitted[i] = accepted[j], verified[j]
-        return self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted)
+        out = self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted)
+        self.draft_counts.step_ended(layout.num_rows, len(seqs), max_drafts)
+        return out
 
     def _admit(self, seqs: list[EngineSequence], reuse) -> None:
         """Start the pools of requests admitted this step: prompt-free pools at the prompt length, and
@@ -317,6 +344,20 @@ class LLMEngine:
             if prompt_free:
                 self.cache.set_start(seq.seq_id, seq.num_prompt_tokens, prompt_free)
             self.prefix.admit(seq, reuse.get(seq.seq_id))
+
+    def _forward(self, layout: StepLayout, tokens: list[list[int]]):
+        """The target's forward over the step's rows, and the logits of its verify rows."""
+        output = self.runner.run(layout, tokens, self.aux_layer_ids)
+        return output, self.model.compute_logits(output.hidden_states[layout.verify_rows])
+
+    def _choose_drafts(self, seqs: list[EngineSequence], caps: list[int], base_rows: int) -> list[int]:
+        """Each request's drafts this step: the scheduler's cap, or what the adaptive controller chooses under it."""
+        chosen = caps
+        if any(caps):
+            chosen = self.draft_counts.choose([seq.seq_id for seq in seqs], caps, base_rows)
+        if self.spec_stats is not None:
+            self.spec_stats.count_chosen(chosen, caps)
+        return chosen
 
     def _propose(self, seqs: list[EngineSequence], max_drafts: list[int]) -> Proposal | None:
         if self.proposer is None or not any(max_drafts):
@@ -368,8 +409,8 @@ class LLMEngine:
             results.append(RequestStep(
                 seq.seq_id, seq.index, new, tuple(draft_ids[i]), num_accepted[i] if draft_ids[i] else 0,
                 seq.finish_reason,
-                logprobs=self._new_token_logprobs(seq, new, logits[first_rows[i] :]),
-                prompt_logprobs=self._prompt_logprobs(seq, layout, i, output),
+                logprobs=new_token_logprobs(seq, new, logits[first_rows[i] :]),
+                prompt_logprobs=prompt_logprobs(self.model, seq, layout, i, output),
             ))
             if seq.is_finished:
                 finished.append(seq)
@@ -386,6 +427,10 @@ class LLMEngine:
             ))
             if any(layout.num_drafts):
                 self.spec_stats.observe(layout.num_drafts, num_accepted)
+        for seq, drafted, accepted in zip(seqs, layout.num_drafts, num_accepted):
+            self.draft_counts.observe_verified(seq.seq_id, drafted, accepted)
+        for seq in finished:
+            self.draft_counts.forget(seq.seq_id)
         for seq in seqs:
             self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)
         for seq in finished:
@@ -397,22 +442,6 @@ class LLMEngine:
         self.stats.num_forward_tokens += layout.num_rows
         self.stats.num_generated_tokens += generated
         return out
-
-    @staticmethod
-    def _new_token_logprobs(seq, new: tuple[int, ...], rows: torch.Tensor):
-        """Logprobs of the step's new tokens (``rows`` start at the request's first verify row)."""
-        if seq.params.logprobs is None or not new:
-            return None
-        return tuple(token_logprobs(rows[: len(new)], new, seq.params.logprobs))
-
-    def _prompt_logprobs(self, seq, layout: StepLayout, i: int, output):
-        """Logprobs of the prompt's tokens 1.. when this step computed the prompt and the request asked."""
-        prompt = seq.num_prompt_tokens
-        if seq.params.prompt_logprobs is None or layout.start_positions[i] != 0 or prompt < 2:
-            return None
-        start = layout.row_starts[i]
-        logits = self.model.compute_logits(output.hidden_states[start : start + prompt - 1])
-        return tuple(token_logprobs(logits, seq.token_ids[1:prompt], seq.params.prompt_logprobs))
 
 
 def config_max_len(model: CausalLM) -> int:

@@ -53,11 +53,19 @@ class CommonOptions(_Labelled):
     - ``num_speculative_tokens``: k, drafts per request per step (>= 1, required).
     - ``attention_backend``: the draft's attention backend (default: the target's).
     - ``block_size``: the draft pool's page size (default: what its backend prefers).
+    - ``adaptive``: the engine chooses each request's drafts per step, ``num_speculative_tokens`` at
+      most, for the most tokens per second (:mod:`specdec.engine.goodput`); every method takes it,
+      since the engine, not the proposer, reads it.
     """
 
     num_speculative_tokens: int = option(int, int_at_least(1), default=attrs.NOTHING)
     attention_backend: str | None = option(str, non_empty_str(optional=True))
     block_size: int | None = option(int, int_at_least(1, optional=True))
+    adaptive: bool = option(bool, boolean(), default=False)
+
+
+# Keys the engine reads: every method takes them, a plug-in's factory included (it never sees them).
+ENGINE_KEYS = ("adaptive",)
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +156,10 @@ def options_from_signature(factory: Callable[..., Any], method: str) -> type:
         kind, optional = _kind_from(hints.get(param.name, param.annotation), param.default)
         default = attrs.NOTHING if param.default is inspect.Parameter.empty else param.default
         fields[param.name] = option(kind, _kind_validator(kind, optional), default=default)
+    for name in ENGINE_KEYS:
+        if name not in fields:
+            base = common[name]
+            fields[name] = option(kind_of(base), base.validator, default=base.default)
     if "num_speculative_tokens" not in fields:
         raise TypeError(
             f"the factory of speculative method {method!r} must take a num_speculative_tokens keyword parameter "

@@ -21,3 +21,22 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int)
     else:
         tops = [()] * len(chosen)
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
+def new_token_logprobs(seq, new: Sequence[int], rows: torch.Tensor) -> tuple[TokenLogprob, ...] | None:
+    """Logprobs of a step's ``new`` tokens of ``seq``, when it asked for them (``rows``: the logits from
+    the request's first verify row on)."""
+    if seq.params.logprobs is None or not new:
+        return None
+    return tuple(token_logprobs(rows[: len(new)], new, seq.params.logprobs))
+
+
+def prompt_logprobs(model, seq, layout, i: int, output) -> tuple[TokenLogprob, ...] | None:
+    """Logprobs of ``seq``'s prompt tokens 1.., when the step (request ``i`` of ``layout``, hidden states in
+    ``output``) computed its whole prompt and the request asked for them."""
+    prompt = seq.num_prompt_tokens
+    if seq.params.prompt_logprobs is None or layout.start_positions[i] != 0 or prompt < 2:
+        return None
+    start = layout.row_starts[i]
+    logits = model.compute_logits(output.hidden_states[start : start + prompt - 1])
+    return tuple(token_logprobs(logits, seq.token_ids[1:prompt], seq.params.prompt_logprobs))

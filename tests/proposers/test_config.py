@@ -32,6 +32,14 @@ def test_defaults():
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (4, 4)
     assert parse_speculative_config("eagle3-unshifted:model=m,num_speculative_tokens=1").kv_sharing is True
     assert parse_speculative_config("eagle3:model=m,num_speculative_tokens=1").kv_sharing is None
+    # adaptive: off unless asked, a key of every method (the engine reads it).
+    assert parse_speculative_config("ngram:num_speculative_tokens=3").adaptive is False
+    for method in METHODS:
+        keys = {"model": "m"} if method not in ("ngram",) else {}
+        assert parse_speculative_config({"method": method, "num_speculative_tokens": 2, "adaptive": True,
+                                         **keys}).adaptive is True
+    with pytest.raises(ValueError, match="adaptive must be"):
+        parse_speculative_config("ngram:num_speculative_tokens=3,adaptive=sometimes")
 
 
 @pytest.mark.parametrize("method", METHODS)

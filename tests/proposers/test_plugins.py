@@ -85,6 +85,8 @@ def test_a_registered_proposer_is_a_method_like_the_built_ins(llama, plain):
     cfg = parse_speculative_config("bigram-test:num_speculative_tokens=3,min_count=2")
     assert (cfg.method, cfg.num_speculative_tokens, cfg.min_count) == ("bigram-test", 3, 2)
     assert parse_speculative_config(cfg.to_string()) == cfg == parse_speculative_config(cfg.to_dict())
+    # The engine's keys come with every method, a plug-in's too (its factory never sees them).
+    assert parse_speculative_config("bigram-test:num_speculative_tokens=3,adaptive=true").adaptive is True
     llm = LLM(llama, dtype="float64", kv_cache_memory=MEMORY, speculative_config=cfg)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == plain
     assert llm.spec_stats().num_accepted_tokens > 0

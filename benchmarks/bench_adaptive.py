@@ -1,0 +1,146 @@
+"""The adaptive controller against fixed k and no speculation, at several concurrencies (issue 20).
+
+    python benchmarks/bench_adaptive.py [--target specdec/zoo/minimax-m3-tiny]
+        [--draft specdec/zoo/minimax-m3-tiny-eagle3] [--k 3] [--concurrency 1,4,16,32]
+        [--rounds 3] [--output-len 64] [--temperature 0] [--dtype bfloat16]
+
+Prompts: windows of the training corpus's validation documents (``specdec.train.corpus``, the split
+the zoo drafts never trained on), ``--input-len`` tokens each. Every configuration (no speculation,
+EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is one ``LLM`` built
+once; a round runs every configuration at every concurrency, in an order that alternates between
+rounds, so the machine's drift falls on all alike. Concurrency c runs batches of c prompts with
+equal output lengths (``ignore_eos``), so exactly c requests are in flight throughout. Reported:
+output tok/s (median over rounds) and each configuration's ratio to no speculation and to the best
+fixed k, computed within each round; the adaptive rows show the controller's choices
+(``num_drafts_histogram``). Last, the controller's own cost per step at the highest concurrency
+(choose + observe over that many requests) against the plain decode step there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.engine.goodput import GoodputController
+from specdec.tokenizer import encode
+from specdec.train.corpus import load_documents
+
+
+def held_out_prompts(llm: LLM, count: int, input_len: int) -> list[list[int]]:
+    """``count`` windows of ``input_len`` tokens from the validation documents, at most two per document."""
+    prompts = []
+    for doc in load_documents("validation"):
+        ids = encode(llm.tokenizer, doc.text)
+        for start in range(0, len(ids) - input_len, max(input_len, len(ids) // 2)):
+            if len(prompts) < count:
+                prompts.append(ids[start : start + input_len])
+    if len(prompts) < count:
+        raise SystemExit(f"the validation split holds only {len(prompts)} windows of {input_len} tokens")
+    return prompts
+
+
+def throughput(llm: LLM, prompts, concurrency: int, params: SamplingParams) -> tuple[float, list]:
+    started, outputs = time.perf_counter(), []
+    for at in range(0, len(prompts), concurrency):
+        outputs += llm.generate(prompts[at : at + concurrency], params, use_tqdm=False)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return tokens / (time.perf_counter() - started), [o.token_ids for o in outputs]
+
+
+def controller_seconds(k: int, requests: int, repeats: int = 200) -> float:
+    """Seconds the controller adds to a step over ``requests`` requests (its choice, its timing, what it
+    learns), with curves of realistic shape."""
+    controller = GoodputController(k)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        controller.target_seconds.observe(rows, 0.01 + 0.001 * rows)
+    for drafting in (1, 8, 32):
+        controller.draft_seconds.observe(drafting, 0.004 + 0.0005 * drafting)
+    controller.other_seconds.observe(requests, 0.002 * requests)
+    ids = list(range(requests))
+    started = time.perf_counter()
+    for step in range(repeats):
+        controller.step_began()
+        counts = controller.choose(ids, [k] * requests, requests)
+        for part in ("other", "draft", "target"):
+            controller.lap(part)
+        for request, count in zip(ids, counts):
+            controller.observe_verified(request, count, (step + request) % (count + 1))
+        controller.step_ended(requests + sum(counts), requests, counts)
+    return (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="specdec/zoo/minimax-m3-tiny")
+    parser.add_argument("--draft", default="specdec/zoo/minimax-m3-tiny-eagle3")
+    parser.add_argument("--method", default="eagle3")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--batches", type=int, default=2, help="batches of c prompts per concurrency c")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--input-len", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    def spec(k: int, adaptive: bool = False) -> dict:
+        return {"method": args.method, "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive}
+
+    configs = {"none": None, **{f"k={k}": spec(k) for k in range(1, args.k + 1)}, f"adaptive k<={args.k}": spec(args.k, True)}
+    common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0)
+    llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=1)
+    prompts = held_out_prompts(llms["none"], max(levels) * args.batches, args.input_len)
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[:2], params, use_tqdm=False)
+
+    rates = {(name, c): [] for name in configs for c in levels}
+    histograms = {}
+    outputs = {}  # first round's tokens per (configuration, concurrency)
+    for r in range(args.rounds):
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
+        for c in levels:
+            batch = prompts[: c * args.batches]
+            for name in order:
+                llm = llms[name]
+                llm.reset_spec_stats()
+                rate, tokens = throughput(llm, batch, c, params)
+                rates[name, c].append(rate)
+                outputs.setdefault((name, c), tokens)
+                if name.startswith("adaptive"):
+                    histograms[c] = llm.spec_stats().num_drafts_histogram
+            print(f"round {r + 1} c={c}: " + "  ".join(f"{n} {rates[n, c][-1]:.0f}" for n in configs), flush=True)
+
+    print(f"\n{args.target} + {args.method} {args.draft}, {args.dtype}, T={args.temperature}, "
+          f"{args.output_len} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} interleaved rounds")
+    fixed = [f"k={k}" for k in range(1, args.k + 1)]
+    for c in levels:
+        print(f"\nconcurrency {c}")
+        for name in configs:
+            per_round = rates[name, c]
+            vs_none = statistics.median(a / b for a, b in zip(per_round, rates["none", c]))
+            best = [max(rates[f, c][i] for f in fixed) for i in range(args.rounds)]
+            vs_best = statistics.median(a / b for a, b in zip(per_round, best))
+            identical = sum(a == b for a, b in zip(outputs[name, c], outputs["none", c]))
+            line = (f"  {name:14s} {statistics.median(per_round):8.1f} tok/s  x{vs_none:.2f} of none  "
+                    f"x{vs_best:.2f} of best fixed k  outputs identical to none {identical}/{len(outputs[name, c])}")
+            if name.startswith("adaptive"):
+                line += f"  drafts chosen (0..k) {histograms[c]}"
+            print(line)
+    top = max(levels)
+    spent = controller_seconds(args.k, top)
+    step = 1.0 / (statistics.median(rates["none", top]) / top)  # seconds per plain decode step at that load
+    print(f"\ncontroller: {spent * 1e3:.3f} ms per step over {top} requests = {100 * spent / step:.2f}% "
+          f"of a plain decode step there ({step * 1e3:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""How many drafts each request gets this step: the speculative config's ``adaptive`` key.
+
+Speculation pays when the tokens it adds outweigh what the drafts cost. A draft at position j of a
+request emits a token with the probability that drafts 1..j are all accepted; it costs a verify row
+in the target's forward and a share of the draft chain. Both costs depend on the load: on a CPU (and
+on a GPU past its memory-bound batch sizes) a forward's time grows with its rows, so at high
+concurrency the rows of a long, rarely accepted draft are better spent elsewhere or not at all.
+
+Each step :class:`GoodputController` chooses, for every request that may draft (the scheduler's cap,
+``num_speculative_tokens`` at most), a count in 0..cap that maximises the step's expected emitted
+tokens per second:
+
+- expected tokens: ``1 + sum_j prod_{m <= j} a_m`` for a request given j drafts, with ``a_m`` its
+  estimated acceptance at position m given the drafts before it were accepted
+  (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates);
+- seconds: the target forward over the step's rows, plus the draft chain (its depth times the
+  seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
+  sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s: the
+  target's measured when the engine starts (forwards of growing size), all kept current by every step.
+
+The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
+which the rate peaked (a request's drafts are always a prefix of its chain). Zero drafts for everyone
+is a valid answer. It is lossless by construction: only
+how many drafts are verified changes, never how they are verified. A request left without drafts
+gets one again after :data:`PROBE_AFTER_STEPS` steps, so its estimate can recover.
+
+Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
+which every rank shares, and the cost curves are the driver's (sent with each step's message).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from specdec.cache.paged_cache import KVCacheError
+from specdec.runtime.layout import StepLayout
+
+# A request drafted for nothing this many steps in a row gets one draft, to measure it again.
+PROBE_AFTER_STEPS = 16
+# Weight (in observations) of the engine-wide rate in a request's estimate.
+PRIOR_WEIGHT = 4.0
+# Before any draft is verified: the conditional acceptance assumed at every position.
+INITIAL_ACCEPTANCE = 0.6
+# Per observation, older counts fade by this factor (requests change topic; loads change).
+REQUEST_DECAY = 0.95
+ENGINE_DECAY = 0.995
+
+
+class CostCurve:
+    """Seconds against a size (rows in a forward, requests in a draft forward).
+
+    Each measured size keeps an exponential moving average of what was observed there. Reading
+    assumes that more work never takes less time: a size costs at most what any larger measured
+    size costs (so one slow outlier, a step that met a busy machine, does not make its size look
+    dearer than bigger ones); between sizes it interpolates linearly, past the ends it follows the
+    nearest segment (never below zero)."""
+
+    def __init__(self, smoothing: float = 0.25):
+        self.smoothing = smoothing
+        self.points: dict[int, float] = {}
+        self._sizes: list[int] = []
+        self._bounded: list[float] | None = []  # per sorted size: the least cost of it and every larger size
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.points.get(size)
+        if old is None:
+            bisect.insort(self._sizes, size)
+            self.points[size] = seconds
+        else:
+            self.points[size] = old + self.smoothing * (seconds - old)
+        self._bounded = None
+
+    def __call__(self, size: int) -> float:
+        return self.over(size, size)[0]
+
+    def over(self, first: int, last: int) -> list[float]:
+        """The costs of sizes ``first..last``, in one vectorised reading (a step's choice reads many)."""
+        sizes = np.arange(first, last + 1, dtype=np.float64)
+        if not self._sizes:
+            return [0.0] * len(sizes)
+        xs, ys = np.array(self._sizes, dtype=np.float64), np.array(self._costs())
+        if len(xs) == 1:
+            return (ys[0] * sizes / xs[0]).tolist()  # proportional until a second point exists
+        costs = np.interp(sizes, xs, ys)
+        below = ys[0] + (ys[1] - ys[0]) * (sizes - xs[0]) / (xs[1] - xs[0])
+        above = ys[-1] + (ys[-1] - ys[-2]) * (sizes - xs[-1]) / (xs[-1] - xs[-2])
+        costs = np.where(sizes < xs[0], below, np.where(sizes > xs[-1], above, costs))
+        return np.maximum(costs, 0.0).tolist()
+
+    def _costs(self) -> list[float]:
+        if self._bounded is None:
+            bounded, least = [], float("inf")
+            for size in reversed(self._sizes):
+                least = min(least, self.points[size])
+                bounded.append(least)
+            self._bounded = bounded[::-1]
+        return self._bounded
+
+    def state(self) -> tuple[tuple[int, float], ...]:
+        return tuple(self.points.items())
+
+    def load(self, state: tuple[tuple[int, float], ...]) -> None:
+        self.points = dict(state)
+        self._sizes = sorted(self.points)
+        self._bounded = None
+
+
+class AcceptanceEstimates:
+    """Per request and position, the probability that draft j is accepted when drafts 1..j-1 were.
+
+    Counts fade with each observation (:data:`REQUEST_DECAY`, :data:`ENGINE_DECAY`); a request's
+    estimate is its counts plus :data:`PRIOR_WEIGHT` observations at the engine-wide rate, which
+    itself starts at :data:`INITIAL_ACCEPTANCE` (``prior``)."""
+
+    def __init__(self, k: int, prior: float = INITIAL_ACCEPTANCE):
+        self.k = k
+        self._offered = [PRIOR_WEIGHT] * k  # engine-wide, with the prior as pseudo-counts
+        self._accepted = [PRIOR_WEIGHT * prior] * k
+        self._requests: dict[Hashable, tuple[list[float], list[float]]] = {}
+
+    def engine_rates(self) -> list[float]:
+        return [a / o for a, o in zip(self._accepted, self._offered)]
+
+    def rates(self, request: Hashable, prior: list[float] | None = None) -> list[float]:
+        """``request``'s estimates; ``prior``: :meth:`engine_rates`, when the caller has them already."""
+        prior = prior if prior is not None else self.engine_rates()
+        counts = self._requests.get(request)
+        if counts is None:
+            return prior
+        offered, accepted = counts
+        return [(a + PRIOR_WEIGHT * p) / (o + PRIOR_WEIGHT) for a, o, p in zip(accepted, offered, prior)]
+
+    def observe(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
+        """``num_accepted`` of ``num_drafts`` drafts were accepted: positions 1..accepted were, the next
+        (if any) was offered and refused, the rest were never reached."""
+        if not num_drafts:
+            return
+        offered, accepted = self._requests.setdefault(request, ([0.0] * self.k, [0.0] * self.k))
+        reached = min(num_accepted + 1, num_drafts)
+        for counts, decay in (((offered, accepted), REQUEST_DECAY), ((self._offered, self._accepted), ENGINE_DECAY)):
+            for j in range(self.k):
+                counts[0][j] *= decay
+                counts[1][j] *= decay
+            for j in range(reached):
+                counts[0][j] += 1.0
+            for j in range(num_accepted):
+                counts[1][j] += 1.0
+
+    def forget(self, request: Hashable) -> None:
+        self._requests.pop(request, None)
+
+
+class FixedDrafts:
+    """``adaptive`` off: every request that may draft gets its cap. Nothing is timed or learned (a
+    timed step would synchronise an asynchronous device)."""
+
+    def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
+        return list(caps)
+
+    def step_began(self) -> None:
+        pass
+
+    def lap(self, part: str) -> None:
+        pass
+
+    def step_ended(self, rows: int, requests: int, chosen: Sequence[int]) -> None:
+        pass
+
+    def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, request: Hashable) -> None:
+        pass
+
+    def cost_state(self) -> None:
+        return None
+
+    def load_cost_state(self, state) -> None:
+        pass
+
+
+class GoodputController(FixedDrafts):
+    """Chooses each request's draft count per step (see the module docstring).
+
+    The engine marks a step's parts as they end (:meth:`step_began`, then :meth:`lap` with
+    ``"draft"``, ``"target"`` or ``"other"``, then :meth:`step_ended`): the draft chain, the target's
+    forward, and everything else (scheduling, sampling, verification, bookkeeping: a cost per step
+    that grows with its requests, not with their drafts, and that speculation spreads over more
+    tokens)."""
+
+    def __init__(self, num_speculative_tokens: int, prior: float = INITIAL_ACCEPTANCE,
+                 device: torch.device = torch.device("cpu")):
+        self.k = num_speculative_tokens
+        self.device = device
+        self.target_seconds = CostCurve()  # one target forward, by rows
+        self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
+        self.other_seconds = CostCurve()  # the rest of a step, by requests
+        self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
+        self._idle: dict[Hashable, int] = {}  # steps since a request last had a draft
+        self._drafted: set[Hashable] = set()  # the requests given drafts in the last step
+        self._steady = False  # whether every request drafting now also drafted in the step before
+        self._laps: dict[str, float] = {}
+        self._last = 0.0
+
+    # ----- the decision -----
+    def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
+        """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose forward runs
+        ``base_rows`` rows before drafts."""
+        prior = self.acceptance.engine_rates()
+        gains = []  # per request: the probability that each of its drafts 1..cap is accepted
+        for request, cap in zip(requests, caps):
+            chain, p = [], 1.0
+            for a in self.acceptance.rates(request, prior)[:cap]:
+                p *= a
+                chain.append(p)
+            gains.append(chain)
+        # Seconds of the step: the rest of it (whatever the drafts) + the target's forward over its rows
+        # (by drafts taken) + the chain's depth times a draft forward over the drafting requests.
+        other = self.other_seconds(len(requests))
+        target = self.target_seconds.over(base_rows, base_rows + sum(map(len, gains)))
+        draft = self.draft_seconds.over(0, len(requests))
+
+        # Every request in the step emits a token whatever its drafts; each draft adds its gain. A
+        # request's gains fall along its chain, so taking drafts in falling order of gain keeps every
+        # request's drafts a prefix: the best step is the best of these prefixes.
+        counts = [0] * len(requests)
+        value, depth, drafting = float(len(requests)), 0, 0
+        best_rate, best_taken = value / max(other + target[0], 1e-12), 0
+        taken = []  # request indices, in the order their drafts were taken
+        heap = [(-g[0], i) for i, g in enumerate(gains) if g]
+        heapq.heapify(heap)
+        while heap:
+            gain, i = heapq.heappop(heap)
+            drafting += counts[i] == 0
+            counts[i] += 1
+            value, depth = value - gain, max(depth, counts[i])
+            taken.append(i)
+            rate = value / max(other + target[len(taken)] + depth * draft[drafting], 1e-12)
+            if rate > best_rate:
+                best_rate, best_taken = rate, len(taken)
+            if counts[i] < len(gains[i]):
+                heapq.heappush(heap, (-gains[i][counts[i]], i))
+        counts = [0] * len(requests)
+        for i in taken[:best_taken]:
+            counts[i] += 1
+
+        # Probe the requests left without drafts for long.
+        for i, (request, cap) in enumerate(zip(requests, caps)):
+            if counts[i] or not cap:
+                self._idle.pop(request, None)
+                continue
+            idle = self._idle.get(request, 0) + 1
+            if idle >= PROBE_AFTER_STEPS:
+                counts[i], idle = 1, 0
+            self._idle[request] = idle
+        drafted = {request for request, c in zip(requests, counts) if c}
+        self._steady, self._drafted = drafted <= self._drafted, drafted
+        return counts
+
+    # ----- what a step taught -----
+    def step_began(self) -> None:
+        self._laps = {"draft": 0.0, "target": 0.0, "other": 0.0}
+        self._last = clock(self.device)
+
+    def lap(self, part: str) -> None:
+        """The time since the last mark was spent on ``part``."""
+        now = clock(self.device)
+        self._laps[part] += now - self._last
+        self._last = now
+
+    def step_ended(self, rows: int, requests: int, chosen: Sequence[int]) -> None:
+        """The step that began ran ``rows`` target rows for ``requests`` requests, which were given
+        ``chosen`` drafts.
+
+        A drafter that skipped steps first catches up on the tokens it missed (an EAGLE3 head runs over
+        them), which costs more than the chain's depth in forwards; that cost is owed whenever drafting
+        resumes, not chosen now, so the draft curve learns only from steps whose drafting requests all
+        drafted in the step before."""
+        self.lap("other")
+        laps = self._laps
+        self.target_seconds.observe(rows, laps["target"])
+        self.other_seconds.observe(requests, laps["other"])
+        drafting, depth = sum(c > 0 for c in chosen), max(chosen, default=0)
+        if drafting and self._steady:
+            self.draft_seconds.observe(drafting, laps["draft"] / depth)
+
+    def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(request, num_drafts, num_accepted)
+
+    def forget(self, request: Hashable) -> None:
+        """``request`` finished."""
+        self.acceptance.forget(request)
+        self._idle.pop(request, None)
+
+    # ----- lockstep under tensor parallelism -----
+    def cost_state(self) -> tuple:
+        """The cost curves (what differs between ranks: each times its own steps)."""
+        return tuple(curve.state() for curve in self._curves())
+
+    def load_cost_state(self, state: tuple) -> None:
+        """Adopt the driver's cost curves (:meth:`cost_state`)."""
+        for curve, points in zip(self._curves(), state):
+            curve.load(points)
+
+    def _curves(self) -> tuple[CostCurve, CostCurve, CostCurve]:
+        return self.target_seconds, self.draft_seconds, self.other_seconds
+
+
+# ----- the starting target curve -----
+CALIBRATION_MAX_ROWS = 256  # larger forwards are extrapolated until a step measures them
+_CALIBRATION_REQUEST = "goodput-calibration"
+
+
+def calibrate(
+    controller: GoodputController,
+    forward: Callable[[StepLayout, list[list[int]]], object],
+    free: Callable[[Hashable], None],
+    *,
+    max_rows: int,
+    max_requests: int,
+) -> None:
+    """Time target forwards of 1, 2, 4, ... rows (up to ``max_rows``, at most
+    :data:`CALIBRATION_MAX_ROWS`) laid out like decode steps (requests of 1 + k rows, at most
+    ``max_requests`` of them), on throwaway requests freed after: the target curve's first points.
+    Stops early when the KV cache cannot hold a size (the curve extrapolates from there)."""
+    device, rows, measured = controller.device, 1, 0
+    while rows <= min(max_rows, CALIBRATION_MAX_ROWS):
+        requests = min(rows, max_requests)
+        per_request = max(1, min(rows // requests, controller.k + 1))
+        ids = [(_CALIBRATION_REQUEST, i) for i in range(requests)]
+        layout = StepLayout.build(ids, [0] * requests, [per_request] * requests, [per_request - 1] * requests, device)
+        if layout.num_rows <= measured:
+            break  # as many requests as may run, each with all its drafts: the largest decode step
+        tokens = [[0] * per_request for _ in ids]
+        try:
+            seconds = []
+            for _ in range(3):  # the first run warms caches and allocator; the least of the others counts
+                started = clock(device)
+                forward(layout, tokens)
+                seconds.append(clock(device) - started)
+                for request in ids:
+                    free(request)
+        except KVCacheError:
+            break
+        finally:
+            for request in ids:
+                free(request)
+        controller.target_seconds.observe(layout.num_rows, min(seconds[1:]))
+        measured = layout.num_rows
+        rows *= 2
+
+
+def clock(device: torch.device) -> float:
+    """Now, in seconds, after the device's queued work (timings of asynchronous devices need it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,194 @@
+"""The adaptive draft controller (``adaptive`` in the speculative config).
+
+- Its parts: the cost curves (interpolation, the monotone bound, extrapolation), the acceptance
+  estimates (conditional per position, shrunk towards the engine-wide rate), and its choices on
+  planted costs and acceptance: all drafts when rows are free, none when drafts cost more than they
+  bring, more drafts for the requests that are accepted more, a probe for a request left idle.
+- Through the engine, in float64: greedy output with ``adaptive`` equals plain output token for token
+  for every kind of proposer, under preemption; the choices are counted in ``num_drafts_histogram``.
+  Lossless by construction whatever the controller chooses, so a planted controller choosing
+  arbitrary counts per request and step is held to the same equality.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.engine.goodput import PROBE_AFTER_STEPS, AcceptanceEstimates, CostCurve, GoodputController
+from specdec.zoo import zoo_path
+
+
+# ----------------------------------------------------------------------------- parts
+def test_cost_curve_interpolates_bounds_outliers_and_extrapolates():
+    curve = CostCurve(smoothing=0.5)
+    assert curve(10) == 0.0  # nothing measured: free
+    curve.observe(4, 2.0)
+    assert curve(8) == 4.0  # one point: proportional
+    curve.observe(8, 3.0)
+    curve.observe(16, 5.0)
+    assert curve(12) == pytest.approx(4.0)  # between 8 and 16
+    assert curve(32) == pytest.approx(9.0)  # past the end, along the last segment
+    assert curve(1) == pytest.approx(1.25)  # before the start, along the first segment
+    assert CostCurve.__call__(curve, 0) >= 0.0
+    curve.observe(8, 9.0)  # a slow outlier: the average moves halfway, to 6.0 ...
+    assert curve.points[8] == pytest.approx(6.0)
+    assert curve(8) == pytest.approx(5.0)  # ... but 8 rows never cost more than 16 did
+    copy = CostCurve()
+    copy.load(curve.state())
+    assert [copy(n) for n in (1, 8, 12, 40)] == [curve(n) for n in (1, 8, 12, 40)]
+
+
+def test_acceptance_estimates_are_conditional_and_shrunk_to_the_engine_rate():
+    estimates = AcceptanceEstimates(3, prior=0.5)
+    assert estimates.rates("a") == [0.5, 0.5, 0.5]
+    for _ in range(30):
+        estimates.observe("a", 3, 3)  # every draft accepted
+        estimates.observe("b", 3, 0)  # the first refused: positions 2 and 3 never reached
+    a, b = estimates.rates("a"), estimates.rates("b")
+    assert all(r > 0.8 for r in a)
+    assert b[0] < 0.2
+    assert b[1] == pytest.approx(estimates.engine_rates()[1])  # no evidence of its own there
+    estimates.forget("a")
+    assert estimates.rates("a") == estimates.engine_rates()
+
+
+def _controller(k: int, target, draft, acceptance: dict) -> GoodputController:
+    """A controller with planted costs (``target(rows)``, ``draft(requests)`` per forward, seconds) and
+    acceptance (request -> its observed accept pattern, repeated)."""
+    controller = GoodputController(k)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        controller.target_seconds.observe(rows, target(rows))
+    for requests in (1, 2, 4, 8, 16, 32):
+        controller.draft_seconds.observe(requests, draft(requests))
+    for request, accepted in acceptance.items():
+        for _ in range(40):
+            controller.observe_verified(request, k, accepted)
+    return controller
+
+
+def test_free_rows_and_free_drafts_get_every_draft():
+    controller = _controller(4, lambda rows: 1.0, lambda n: 0.0, {r: 2 for r in range(8)})
+    assert controller.choose(list(range(8)), [4] * 8, base_rows=8) == [4] * 8
+    assert controller.choose([0, 1], [2, 0], base_rows=2) == [2, 0]  # never past a cap
+
+
+def test_drafts_that_cost_more_than_they_bring_get_none():
+    # Rows cost in proportion, a draft forward as much as a target row's share, and little is accepted.
+    controller = _controller(3, lambda rows: 0.01 * rows, lambda n: 0.01 * n, {r: 0 for r in range(16)})
+    assert controller.choose(list(range(16)), [3] * 16, base_rows=16) == [0] * 16
+
+
+def test_requests_accepted_more_get_more_drafts():
+    # A forward's time grows with its rows; drafts themselves are cheap.
+    controller = _controller(3, lambda rows: 0.01 + 0.004 * rows, lambda n: 0.0001,
+                             {"good": 3, "fair": 1, "poor": 0})
+    chosen = dict(zip(["good", "fair", "poor"], controller.choose(["good", "fair", "poor"], [3, 3, 3], base_rows=3)))
+    assert chosen["good"] == 3
+    assert chosen["good"] > chosen["fair"] >= chosen["poor"]
+    assert chosen["poor"] == 0
+
+
+def test_a_step_s_fixed_costs_make_drafts_pay():
+    # Rows cost in proportion and drafts are cheap; every request's first draft is accepted and its
+    # second refused. With nothing else in a step a draft's row costs more than it brings (a row's share
+    # of the step against a token short of one); a second of other work per step (the sampler,
+    # bookkeeping: what a request costs whatever its drafts) tips the balance to the first drafts.
+    controller = _controller(3, lambda rows: 0.1 * rows, lambda n: 0.001, {r: 1 for r in range(4)})
+    assert controller.choose(list(range(4)), [3] * 4, base_rows=4) == [0] * 4
+    controller.other_seconds.observe(4, 1.0)
+    assert controller.choose(list(range(4)), [3] * 4, base_rows=4) == [1] * 4
+
+
+def test_a_step_s_parts_are_timed_into_their_curves():
+    controller = GoodputController(2)
+    for step in range(2):  # the draft curve learns only once the same requests draft two steps running
+        controller.choose(["a", "b"], [2, 2], base_rows=2)
+        controller.step_began()
+        time.sleep(0.002)
+        controller.lap("other")
+        time.sleep(0.004)
+        controller.lap("draft")
+        time.sleep(0.02)
+        controller.lap("target")
+        controller.step_ended(rows=6, requests=2, chosen=[2, 2])
+        assert (2 in controller.draft_seconds.points) == (step == 1)
+    assert controller.target_seconds.points[6] >= 0.02
+    assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
+    assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
+
+
+def test_a_request_left_without_drafts_is_probed():
+    controller = _controller(3, lambda rows: 0.01 * rows, lambda n: 0.01 * n, {"r": 0})
+    chosen = [controller.choose(["r"], [3], base_rows=1)[0] for _ in range(PROBE_AFTER_STEPS)]
+    assert chosen == [0] * (PROBE_AFTER_STEPS - 1) + [1]
+
+
+# ----------------------------------------------------------------------------- through the engine
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5] * 9, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100],
+           [40, 41, 42, 40, 41]]
+PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_configs(tiny_checkpoint):
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "model": str(tiny_checkpoint("llama_draft")),
+                        "num_speculative_tokens": 3},
+    }
+
+
+@pytest.fixture(scope="module")
+def plain_llama(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float64", block_size=4, kv_cache_memory=1 << 22)
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+class PlantedChoices(GoodputController):
+    """Chooses a seeded random count in 0..cap per request and step: every mix the engine may meet."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self._random = random.Random(0)
+
+    def choose(self, requests, caps, base_rows):
+        return [self._random.randint(0, cap) for cap in caps]
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["measured", "planted"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_adaptive_greedy_output_equals_plain_under_preemption(kind, planted, llama_configs, plain_llama,
+                                                             tiny_checkpoint):
+    config = {**llama_configs[kind], "adaptive": True}
+    target = str(tiny_checkpoint("llama"))
+    roomy = LLM(target, dtype="float64", block_size=4, kv_cache_memory=1 << 22, speculative_config=config)
+    bytes_per_token = sum(p.bytes_per_token() for p in roomy.engine.cache.pools.values())
+    # About two requests' worth of pages for five: requests are preempted and recomputed.
+    budget = bytes_per_token * 2 * (max(map(len, PROMPTS)) + PARAMS.max_tokens + 3)
+    llm = LLM(target, dtype="float64", block_size=4, kv_cache_memory=budget, speculative_config=config)
+    if planted:
+        llm.engine.draft_counts = PlantedChoices(3)
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == plain_llama
+    assert llm.engine.stats.num_preemptions > 0
+    histogram = llm.spec_stats().num_drafts_histogram
+    assert len(histogram) == 4 and sum(histogram) > 0
+    if planted:
+        assert all(histogram), histogram  # every count from 0 to k was chosen, and held
+
+
+def test_adaptive_eagle3_on_the_zoo_equals_plain():
+    target, draft = str(zoo_path("llama-tiny")), str(zoo_path("llama-tiny-eagle3"))
+    prompts = [[11, 12, 13, 14, 15, 16], [200, 201, 202], [7] * 12, [300, 301, 302, 303]]
+    plain = LLM(target, dtype="float64", kv_cache_memory=1 << 22)
+    expected = [o.token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
+    for planted in (False, True):
+        llm = LLM(target, dtype="float64", kv_cache_memory=1 << 22, speculative_config={
+            "method": "eagle3", "model": draft, "num_speculative_tokens": 3, "adaptive": True})
+        if planted:
+            llm.engine.draft_counts = PlantedChoices(3)
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected

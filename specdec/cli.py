@@ -141,15 +141,19 @@ def _serve(argv: Sequence[str]) -> int:
 _BENCH_EPILOG = """\
 examples:
   specdec bench --model ./tiny --input-len 32 --output-len 32 --num-prompts 16 --concurrency 4 \\
-      --speculative-config eagle3:model=./tiny-eagle3,num_speculative_tokens=3
+      --speculative-config eagle3:model=./tiny-eagle3,num_speculative_tokens=3 --temperature 0,0.7
   specdec bench --model ./tiny --dataset prompts.jsonl --concurrency 8 --json
   specdec bench --model ./tiny --workload multi-turn --num-turns 4 --no-enable-prefix-caching
 
 the baseline (no speculation) always runs first, on the same prompts (every request ignores EOS, so
-both runs generate the same number of tokens). Metrics are vLLM benchmark_serving's: TTFT = first
-token - arrival, TPOT = (e2e - TTFT) / (output_len - 1), ITL = gaps between emissions (one gap per
-step, however many tokens speculation emitted in it). The shared-prefix and multi-turn workloads take
-held-out text (the training corpus's validation split); every run reports its prefix-cache hits/queries.
+both runs generate the same number of tokens), at each --temperature in turn, every run on a fresh
+engine. Metrics are vLLM benchmark_serving's: TTFT = first token - arrival, TPOT = (e2e - TTFT) /
+(output_len - 1), ITL = gaps between emissions (one gap per step, however many tokens speculation
+emitted in it). Prompts are held-out text by default (windows of the training corpus's validation-split
+stdlib files, which no zoo model trained on); the table's first line and --json's settings.prompt_source
+name the source. Every run reports its prefix-cache hits/queries, every spec run its acceptance per
+position and "k chosen": the share of (request, step) pairs given 0..k drafts (adaptive=true in the
+speculative config lets the engine choose).
 """
 
 

@@ -3,7 +3,8 @@
 Runs use the session's tiny float64 llama with n-gram speculation: greedy float64 speculation is
 lossless, and n-gram drafts depend only on each request's tokens, so the bench's acceptance
 counters must equal those of a plain ``LLM.generate`` over the same prompts, whatever the
-concurrency did to the batches.
+concurrency did to the batches. The zoo's llama-tiny (a real tokenizer) checks the default prompts
+(held-out text), several temperatures and the adaptive controller's choices.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import sys
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.bench import DELTA_KEYS, BenchConfig, RequestRecord, load_prompts, load_workload, serve, summarize
-from specdec.bench.workload import HELD_OUT
+from specdec.bench import (DELTA_KEYS, BenchConfig, RequestRecord, format_table, load_prompts, load_workload, runner,
+                           serve, summarize)
+from specdec.bench.workload import COPY_PIECE, HELD_OUT, SYNTHETIC
 from specdec.cli import main
+from specdec.tokenizer import load_tokenizer
+from specdec.train.corpus import iter_documents, split_of
 from specdec.zoo import zoo_path
 
 NGRAM = "ngram:num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2"
@@ -57,7 +61,7 @@ def _bench_json(llama, *extra: str) -> dict:
             sys.executable, "-m", "specdec.cli", "bench", "--model", llama, "--dtype", "float64",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--num-prompts", str(NUM_PROMPTS), "--concurrency", str(CONCURRENCY), "--warmup", "1",
-            "--speculative-config", NGRAM, "--json", *extra,
+            "--speculative-config", NGRAM, "--prompt-source", "synthetic", "--json", *extra,
         ],
         capture_output=True, text=True, timeout=300,
     )
@@ -106,7 +110,10 @@ def _check_run(run: dict) -> None:
 
 def test_json_fields_are_consistent(bench_json):
     result = bench_json
-    assert set(result) == {"settings", "baseline", "speculative", "deltas", "identical_outputs"}
+    assert set(result) == {"settings", "baseline", "speculative", "deltas", "identical_outputs", "runs"}
+    # One temperature (greedy): its entry in runs is what the top level shows.
+    assert result["runs"] == [{"temperature": 0.0, **{k: result[k] for k in ("baseline", "speculative", "deltas",
+                                                                                "identical_outputs")}}]
     base, spec = result["baseline"], result["speculative"]
     _check_run(base)
     _check_run(spec)
@@ -118,6 +125,7 @@ def test_json_fields_are_consistent(bench_json):
     settings = result["settings"]
     assert settings["speculative_config"]["method"] == "ngram" and settings["num_prompts"] == NUM_PROMPTS
     assert settings["tensor_parallel_size"] == 1
+    assert settings["prompt_source"] == SYNTHETIC and settings["temperature"] == [0.0]
 
 
 @pytest.mark.slow
@@ -140,8 +148,14 @@ def test_acceptance_matches_spec_stats(bench_json, llama):
     # Every emission is one step: one token plus the drafts it accepted.
     emissions = sum(len(r["tokens_per_emission"]) for r in bench_json["speculative"]["requests"])
     assert emissions + stats["num_accepted_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    # Without adaptive every request that may draft is given its cap (k, less only near its last token);
+    # n-gram proposes at most that many.
+    histogram = stats["num_drafts_histogram"]
+    assert len(histogram) == 4 and histogram[3] > 0 and sum(histogram[1:]) >= stats["num_drafts"]
+    assert sum(histogram) <= emissions
     # The same prompts through LLM.generate (all at once, no warm-up) count the same drafts.
-    config = BenchConfig(model=llama, num_prompts=NUM_PROMPTS, input_len=INPUT_LEN, output_len=OUTPUT_LEN)
+    config = BenchConfig(model=llama, num_prompts=NUM_PROMPTS, input_len=INPUT_LEN, output_len=OUTPUT_LEN,
+                         prompt_source="synthetic")
     llm = LLM(llama, speculative_config=NGRAM, dtype="float64", kv_cache_memory=4 << 20)
     llm.generate(load_prompts(config), SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
     assert llm.spec_stats().as_dict() == stats
@@ -157,11 +171,13 @@ def test_table_and_dataset(llama, tmp_path, capsys):
     assert main([*common, "--speculative-config", NGRAM]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("Spec "))
+    rows = [line.split() for line in lines if line.startswith(("no ", "ngram "))]
+    assert header.split()[1] == "T" and [r[:2] for r in rows] == [["no", "0"], ["ngram", "k=3"]] and rows[1][2] == "0"
     for column in ("Req/s", "Total tok/s", "Output tok/s", "median TTFT (ms)", "TPOT mean/med/p99 (ms)",
                    "ITL mean/med/p99 (ms)", "delta", "mean TTFT (ms)", "prefix cache hits/queries"):
         assert column in header
-    assert [line.split()[0] for line in lines if line.startswith(("no ", "ngram "))] == ["no", "ngram"]
-    assert any(line.startswith("acceptance per position: ") and "mean acceptance length" in line for line in lines)
+    acceptance = next(line for line in lines if line.startswith("acceptance per position: "))
+    assert "mean acceptance length" in acceptance and "; k chosen: 0:" in acceptance
     assert "outputs identical to the baseline: 2/2" in lines
 
     assert main([*common, "--num-prompts", "1", "--json"]) == 0
@@ -195,6 +211,13 @@ def _check_error(code: int, stderr: str, needle: str) -> None:
         (["--workload", "chat"], None, "workload (--workload) must be one of 'single', 'shared-prefix'"),
         (["--workload", "multi-turn", "--num-turns", "1"], None, "num_turns (--num-turns) must be an int >= 2"),
         (["--workload", "shared-prefix", "--dataset", "{data}"], ['{"prompt": "x"}'], "draws its own"),
+        (["--temperature", "abc"], None, "argument --temperature: expected a temperature or a comma list"),
+        (["--temperature", "0,"], None, "argument --temperature: expected"),
+        (["--temperature", "0,-0.5"], None, "temperature (--temperature) must be numbers >= 0"),
+        (["--temperature", "0.7,0.7"], None, "each once"),
+        (["--temperature", "nan"], None, "temperature (--temperature) must be numbers >= 0"),
+        (["--prompt-source", "web"], None, "prompt_source (--prompt-source) must be one of 'held-out', 'synthetic'"),
+        (["--prompt-source", "synthetic", "--dataset", "{data}"], ['{"prompt": "x"}'], "give one"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(args, lines, needle, llama, tmp_path, capsys):
@@ -217,6 +240,11 @@ def test_text_prompts_need_a_tokenizer(tiny_checkpoint, tmp_path, capsys):
     capsys.readouterr()  # drop what building the checkpoint printed
     code = main(["bench", "--model", model, "--dataset", str(data)])
     _check_error(code, capsys.readouterr().err, "no tokenizer")
+    code = main(["bench", "--model", model, "--prompt-source", "held-out"])
+    _check_error(code, capsys.readouterr().err, "no tokenizer; use --prompt-source synthetic")
+    # Without a tokenizer the default falls back to synthetic ids, and says so.
+    w = load_workload(BenchConfig(model=model, num_prompts=2, input_len=4, warmup=0))
+    assert w.source.startswith("synthetic token ids") and "no tokenizer" in w.source
 
 
 # ----------------------------------------------------------------------------- workloads and the prefix cache
@@ -292,3 +320,92 @@ def test_workloads_hit_the_prefix_cache_only_with_caching_on(workload, extra, hi
     table = capsys.readouterr().out
     assert HELD_OUT in table.splitlines()[0]
     assert f"0/{queries} (0.0%)" in next(line for line in table.splitlines() if line.startswith("no "))
+
+
+# ----------------------------------------------------------------------------- prompt sources
+def test_default_prompts_are_held_out_text_spread_over_the_held_out_files():
+    config = BenchConfig(model=ZOO_LLAMA, num_prompts=16, input_len=64, warmup=1)
+    w = load_workload(config)
+    assert w.source == HELD_OUT and len(w.prompts) == 16 and len(w.warmup) == 1
+    assert load_workload(config).prompts == w.prompts  # deterministic
+    tokenizer = load_tokenizer(ZOO_LLAMA)
+    # What scripts/build_zoo.py trained every zoo model on: the corpus's train split (its defaults).
+    train, held_out = [], []
+    for doc in iter_documents("all"):
+        if split_of(doc.name, 0.05) == "train":
+            train.append(doc.text)
+        elif doc.name.startswith("stdlib/"):
+            held_out.append(doc)
+    training_text = "\0".join(train)
+    files = set()
+    for prompt in w.prompts + w.warmup:
+        assert len(prompt) == 64 and not set(prompt) & set(tokenizer.all_special_ids)
+        text = tokenizer.decode(prompt)
+        assert text not in training_text
+        for piece in range(0, 64, COPY_PIECE):
+            assert tokenizer.decode(prompt[piece : piece + COPY_PIECE]) not in training_text
+        head = tokenizer.decode(prompt[:16])
+        files |= {doc.name for doc in held_out if head in doc.text}
+    assert len(files) >= 10  # spread over the held-out files, not cut from the first one
+
+
+def test_synthetic_prompts_on_request():
+    w = load_workload(BenchConfig(model=ZOO_LLAMA, prompt_source="synthetic", num_prompts=3, input_len=8, warmup=0))
+    special = set(load_tokenizer(ZOO_LLAMA).all_special_ids)
+    assert w.source == SYNTHETIC and [len(p) for p in w.prompts] == [8] * 3
+    assert all(0 <= t < 4096 and t not in special for p in w.prompts for t in p)
+    shared = load_workload(BenchConfig(model=ZOO_LLAMA, prompt_source="synthetic", workload="shared-prefix",
+                                       num_prompts=2, num_prefixes=1, prefix_len=8, input_len=4, warmup=0))
+    assert shared.source == SYNTHETIC and shared.prompts[0][:8] == shared.prompts[1][:8]
+
+
+# ----------------------------------------------------------------------------- temperatures and the adaptive controller
+ADAPTIVE = f"eagle3:model={zoo_path('llama-tiny-eagle3')},num_speculative_tokens=3,adaptive=true"
+
+
+def test_each_temperature_gets_its_rows_and_the_drafts_chosen_are_shown(monkeypatch, capsys):
+    used = []
+
+    def spy(engine, prompts, params, *args, **kwargs):
+        used.append(params.temperature)
+        return serve(engine, prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "serve", spy)
+    n, output_len = 3, 6
+    capsys.readouterr()
+    assert main(["bench", "--model", ZOO_LLAMA, "--dtype", "float64", "--kv-cache-memory", "4M",
+                 "--num-prompts", str(n), "--input-len", "32", "--output-len", str(output_len), "--concurrency", "2",
+                 "--warmup", "1", "--speculative-config", ADAPTIVE, "--temperature", "0,0.7", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # Baseline then spec run at each temperature, each a warm-up then the run, every run its own engine.
+    assert used == [0.0] * 4 + [0.7] * 4
+    settings = result["settings"]
+    assert settings["temperature"] == [0.0, 0.7] and settings["prompt_source"] == HELD_OUT
+    assert settings["speculative_config"]["adaptive"] is True
+    runs = result["runs"]
+    assert [r["temperature"] for r in runs] == [0.0, 0.7]
+    assert all(result[k] == runs[0][k] for k in ("baseline", "speculative", "deltas", "identical_outputs"))
+    assert runs[0]["identical_outputs"] == n  # greedy float64: lossless, whatever the controller chose
+    for entry in runs:
+        for run in (entry["baseline"], entry["speculative"]):
+            assert run["completed"] == n and run["total_output_tokens"] == n * output_len
+        spec = entry["speculative"]
+        stats = spec["spec_stats"]
+        histogram = stats["num_drafts_histogram"]
+        # The controller's choices, 0..k, per (request, step) that could draft; a proposer drafts at most that.
+        assert len(histogram) == 4 and sum(histogram) > 0
+        assert sum(histogram[1:]) >= stats["num_drafts"]
+        assert sum(j * c for j, c in enumerate(histogram)) >= stats["num_draft_tokens"]
+        assert sum(histogram) <= sum(len(r["tokens_per_emission"]) for r in spec["requests"])
+    table = format_table(result).splitlines()
+    rows = [line.split() for line in table if line.startswith(("no ", "eagle3 "))]
+    assert [(r[0], r[1] if r[0] == "no" else r[3]) for r in rows] == [  # label and temperature
+        ("no", "0"), ("eagle3", "0"), ("no", "0.7"), ("eagle3", "0.7")]
+    assert all(" ".join(r[:3]) == "eagle3 adaptive k<=3" for r in rows if r[0] == "eagle3")
+    for t, entry in zip(("0", "0.7"), runs):
+        histogram = entry["speculative"]["spec_stats"]["num_drafts_histogram"]
+        shares = " ".join(f"{j}:{c / sum(histogram) * 100:.0f}%" for j, c in enumerate(histogram))
+        line = next(x for x in table if x.startswith(f"T={t}: acceptance per position: "))
+        assert line.endswith(f"; k chosen: {shares}")
+    assert f"T=0: outputs identical to the baseline: {n}/{n}" in table
+    assert any(x.startswith(f"T=0.7: outputs identical to the baseline: ") and "sampled" in x for x in table)

@@ -1,9 +1,12 @@
 """``specdec bench``: an offline serving benchmark, with and without speculation, in one process.
 
 The same prompts run twice through the engine's request/step loop, first without speculation (the
-baseline) and then with the given speculative config, at a fixed concurrency; the result is the
-table of seed 001 (Req/s, total and output tok/s, median TTFT, TPOT and ITL mean/median/p99, each
-with the spec run's change against the baseline) plus the acceptance per position.
+baseline) and then with the given speculative config, at a fixed concurrency, and again at each
+further temperature (``--temperature 0,0.7``: greedy and sampled), every run on a fresh engine; the
+result is the table of seed 001 (Req/s, total and output tok/s, median TTFT, TPOT and ITL
+mean/median/p99, each with the spec run's change against the baseline at its temperature) plus, per
+spec run, the acceptance per position and the drafts chosen per (request, step) (``k chosen``, from
+``num_drafts_histogram``: the cap ``k`` without ``adaptive``, the goodput controller's choices with it).
 
 Definitions follow vLLM's ``benchmark_serving`` (a client streaming from a server):
 
@@ -25,7 +28,10 @@ Every request uses ``ignore_eos`` so both runs produce the same number of tokens
 requests (``warmup`` prompts of their own, shaped like the workload's) run before the clock starts and
 are not counted, neither in the timings nor in the acceptance or prefix-cache counters.
 
-Workloads (:mod:`specdec.bench.workload`): ``single`` prompts (a dataset's or synthetic),
+Prompts are held-out text by default: windows of the training corpus's validation-split stdlib
+files, which no zoo model trained on (:mod:`specdec.bench.workload` says how they are cut and checked
+against the training text); ``settings.prompt_source`` and the table's first line name the source.
+Workloads (:mod:`specdec.bench.workload`): ``single`` prompts (held-out, synthetic or a dataset's),
 ``shared-prefix`` (many requests over a few long system prompts) and ``multi-turn`` (each turn's
 prompt is the previous turn's prompt + its output + a new user message, sent once that output is
 known). Each run also reports its prefix-cache ``queries`` and ``hits`` (tokens of admitted requests

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import attrs
 
 from specdec.engine_args import EngineArgs, arg, engine_fields, label_with_flag, to_speculative_config
-from specdec.bench.workload import WORKLOADS
-from specdec.validation import int_at_least, non_empty_str, number_at_least, one_of
+from specdec.bench.workload import PROMPT_SOURCES, WORKLOADS
+from specdec.validation import int_at_least, is_real, non_empty_str, one_of, satisfies
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """``--temperature``'s text: one temperature or a comma list (``"0,0.7"``)."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a temperature or a comma list of them like 0 or 0,0.7, got {text!r}") from None
+
+
+def _to_temperatures(value: Any) -> Any:
+    """A number or a sequence of numbers as a tuple (anything else is left for the validator to refuse)."""
+    if is_real(value):
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _temperatures_ok(value: Any) -> bool:
+    return (isinstance(value, tuple) and bool(value) and all(is_real(t) and t >= 0 for t in value)
+            and len(set(value)) == len(value))
 
 
 @attrs.frozen(kw_only=True)
@@ -18,13 +40,18 @@ class BenchConfig(EngineArgs):
     - ``speculative_config``: the spec run's config (any ``LLM`` form); None runs the baseline only.
     - Workload (:mod:`specdec.bench.workload`): ``workload`` ``"single"`` runs ``dataset`` (a JSONL
       file of ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` lines; its first ``num_prompts``
-      lines, all when None) or, without one, ``num_prompts`` (default 16) synthetic prompts of
-      ``input_len`` token ids drawn uniformly from the model's vocabulary (special tokens left out)
-      with ``seed``. ``"shared-prefix"``: ``num_prompts`` requests, each one of ``num_prefixes``
-      system prompts of ``prefix_len`` tokens + a user suffix of ``input_len``; ``"multi-turn"``:
+      lines, all when None) or, without one, ``num_prompts`` (default 16) prompts of ``input_len``
+      tokens from ``prompt_source``. ``"shared-prefix"``: ``num_prompts`` requests, each one of
+      ``num_prefixes`` system prompts of ``prefix_len`` tokens + a user suffix of ``input_len``; ``"multi-turn"``:
       ``num_prompts`` conversations of ``num_turns`` turns, each turn's prompt the previous turn's
-      prompt + its output + a user message of ``input_len`` (both from held-out text). Every request
-      generates ``output_len`` tokens (``ignore_eos``) at ``temperature`` (0 = greedy).
+      prompt + its output + a user message of ``input_len``. Every request generates ``output_len``
+      tokens (``ignore_eos``).
+    - ``prompt_source``: where prompts come from without a ``dataset``: ``"held-out"`` (the default
+      when the model folder has a tokenizer: text no zoo model trained on, see
+      :mod:`specdec.bench.workload`) or ``"synthetic"`` (ids drawn uniformly from the vocabulary
+      with ``seed``; the default without a tokenizer). None = the default.
+    - ``temperature``: one or more temperatures (a number or a sequence; 0 = greedy); the baseline
+      and the spec run are repeated at each, each run on a fresh engine.
     - ``concurrency``: requests in flight at most; ``warmup``: uncounted requests run first.
     - Two engine defaults differ, to keep the default KV budget small: ``max_num_seqs`` None =
       ``concurrency``; ``max_model_len`` None = the longest prompt + ``output_len``.
@@ -37,7 +64,10 @@ class BenchConfig(EngineArgs):
             raise ValueError("baseline_url (--baseline-url) needs base_url (--base-url): the server to compare")
         if self.dataset is not None and self.workload != "single":
             raise ValueError(f"dataset (--dataset) gives the single workload's prompts; --workload {self.workload} "
-                             "draws its own from held-out text")
+                             "draws its own (see --prompt-source)")
+        if self.dataset is not None and self.prompt_source is not None:
+            raise ValueError("dataset (--dataset) and prompt_source (--prompt-source) both say where the prompts "
+                             "come from; give one")
 
     speculative_config: Any = arg(None, converter=to_speculative_config,
                                   metavar="STR", help="the spec run's config, 'method:key=value,...' or JSON "
@@ -47,18 +77,25 @@ class BenchConfig(EngineArgs):
     max_model_len: int | None = arg(None, validator=int_at_least(2, optional=True), metavar="N", parse=int,
                                     help="prompt + output tokens per request (default: longest prompt + --output-len)")
     workload: str = arg("single", validator=one_of(WORKLOADS), metavar="|".join(WORKLOADS),
-                        help="single: independent prompts (--dataset's, or synthetic); shared-prefix: requests over "
-                             "--num-prefixes system prompts; multi-turn: conversations, each turn extending the last "
-                             "one's prompt and output (default: single)")
+                        help="single: independent prompts (--dataset's, or --prompt-source's); shared-prefix: "
+                             "requests over --num-prefixes system prompts; multi-turn: conversations, each turn "
+                             "extending the last one's prompt and output (default: single)")
     dataset: str | None = arg(None, metavar="FILE.jsonl",
                               help='single workload\'s prompts, one {"prompt": str} or {"prompt_token_ids": [...]} '
-                                   "a line (default: synthetic)")
+                                   "a line (default: --prompt-source's)")
+    prompt_source: str | None = arg(None, validator=one_of(PROMPT_SOURCES, optional=True),
+                                    metavar="|".join(PROMPT_SOURCES),
+                                    help="without --dataset, where prompts come from: held-out: windows of text no "
+                                         "zoo model trained on (the training corpus's validation split: Python "
+                                         "stdlib files and pydoc topics of the running interpreter); synthetic: "
+                                         "token ids drawn uniformly from the vocabulary (default: held-out, "
+                                         "synthetic for a model folder without a tokenizer)")
     num_prompts: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
                                   help="requests to run, conversations with multi-turn (default: 16, or the whole "
                                        "dataset)")
     input_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
-                         help="tokens of a synthetic prompt, a shared-prefix user suffix or a multi-turn user "
-                              "message (default: 64)")
+                         help="tokens of a single prompt (without --dataset), a shared-prefix user suffix or a "
+                              "multi-turn user message (default: 64)")
     prefix_len: int = arg(256, validator=int_at_least(1), metavar="N", parse=int,
                           help="shared-prefix: tokens of each system prompt (default: 256)")
     num_prefixes: int = arg(4, validator=int_at_least(1), metavar="N", parse=int,
@@ -71,8 +108,11 @@ class BenchConfig(EngineArgs):
                            help="requests in flight at most (default: 4)")
     warmup: int = arg(1, validator=int_at_least(0), metavar="N", parse=int,
                       help="uncounted requests run first (default: 1)")
-    temperature: float = arg(0.0, validator=number_at_least(0), metavar="T", parse=float,
-                             help="0 = greedy (default: 0)")
+    temperature: tuple[float, ...] = arg(
+        (0.0,), converter=_to_temperatures, metavar="T[,T...]", parse=parse_temperatures,
+        validator=satisfies(_temperatures_ok, "numbers >= 0, each once, like 0 or 0,0.7"),
+        help="sampling temperature, or a comma list to run each (e.g. 0,0.7: greedy and sampled rows); "
+             "0 = greedy (default: 0)")
     base_url: str | None = arg(None, validator=non_empty_str(optional=True), metavar="URL",
                                help="drive a running server (specdec serve) over HTTP instead of an in-process "
                                     "engine; --model still gives the prompts' tokenizer")

@@ -51,7 +51,8 @@ def read_counters(base_url: str) -> dict[str, float]:
 
 
 def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int) -> dict[str, Any]:
-    """``SpecStats.as_dict()``'s figures from two readings of the counters."""
+    """``SpecStats.as_dict()``'s figures from two readings of the counters (``num_drafts_histogram`` is
+    None: the server's ``/metrics`` does not count the drafts chosen per step)."""
     drafts, drafted, accepted = (after.get(n, 0) - before.get(n, 0) for n in SPEC_COUNTERS)
     per_position = [int(after.get(f"{PER_POSITION}[{i}]", 0) - before.get(f"{PER_POSITION}[{i}]", 0)) for i in range(k)]
     return {
@@ -62,6 +63,7 @@ def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int
         "acceptance_per_position": [a / drafts if drafts else 0.0 for a in per_position],
         "mean_acceptance_length": 1.0 + (accepted / drafts if drafts else 0.0),
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "num_drafts_histogram": None,
     }
 
 

@@ -77,22 +77,23 @@ def _max_model_len(config: BenchConfig, workload: Workload) -> int:
     return needed
 
 
-def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, progress) -> dict[str, Any]:
+def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, temperature: float,
+         progress) -> dict[str, Any]:
     from specdec.llm import LLM
 
     llm = LLM.from_engine_args(config.engine_args(spec, max_model_len))
     try:
-        return _measure(llm, config, workload, progress)
+        return _measure(llm, config, workload, temperature, progress)
     finally:
         llm.close()  # its tensor-parallel workers stop before the next run starts its own
         del llm
         gc.collect()  # the next run's model and cache should not sit next to this one's
 
 
-def _measure(llm, config: BenchConfig, workload: Workload, progress) -> dict[str, Any]:
+def _measure(llm, config: BenchConfig, workload: Workload, temperature: float, progress) -> dict[str, Any]:
     from specdec.sampling.params import SamplingParams
 
-    params = SamplingParams(max_tokens=config.output_len, temperature=config.temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=config.output_len, temperature=temperature, ignore_eos=True)
     engine = llm.engine
     if workload.warmup:
         progress(f"warm-up: {len(workload.warmup)} request(s)")
@@ -117,15 +118,22 @@ def _measure(llm, config: BenchConfig, workload: Workload, progress) -> dict[str
 
 
 def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the baseline (and the spec run when ``config.speculative_config`` is set); one JSON-ready dict.
+    """Run the baseline (and the spec run when ``config.speculative_config`` is set) at each of
+    ``config.temperature``, each run on a fresh engine; one JSON-ready dict.
 
-    Keys: ``settings``; ``baseline`` and ``speculative`` (None without a config): the metrics of
-    :func:`summarize` plus ``num_preemptions``, ``prefix_cache`` (the run's prefix-cache ``queries``
-    and ``hits`` in tokens, and ``hit_rate``), ``spec_stats`` and ``requests`` (per request, in run
-    order (multi-turn: conversation by conversation): ``arrival_s``, ``prompt_len``, ``output_len``,
-    ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
+    Keys: ``settings`` (``prompt_source`` names where the prompts come from; ``temperature`` lists
+    the temperatures); ``runs``: one entry per temperature, in the order given, each
+    ``{"temperature", "baseline", "speculative", "deltas", "identical_outputs"}``; and the first
+    temperature's ``baseline``, ``speculative``, ``deltas`` and ``identical_outputs`` again at the top
+    level (what a single temperature gives). ``baseline`` and ``speculative`` (None without a
+    config): the metrics of :func:`summarize` plus ``num_preemptions``, ``prefix_cache`` (the run's
+    prefix-cache ``queries`` and ``hits`` in tokens, and ``hit_rate``), ``spec_stats`` (with
+    ``num_drafts_histogram``: how many drafts each (request, step) was given) and ``requests`` (per
+    request, in run order (multi-turn: conversation by conversation): ``arrival_s``, ``prompt_len``,
+    ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
     ``deltas`` (see :func:`deltas`); ``identical_outputs``: how many requests produced the same
-    tokens in both runs (all of them, greedy in float64; lower precisions may differ by rounding).
+    tokens in both runs (greedy: all of them in float64, lower precisions may differ by rounding;
+    sampled runs draw differently with speculation, so they need not match).
     """
     say = progress or (lambda _msg: None)
     spec = config.speculative_config  # parsed when the config was built: a bad one fails before any run
@@ -153,38 +161,45 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "output_len": config.output_len,
         "concurrency": config.concurrency,
         "warmup": config.warmup,
-        "temperature": config.temperature,
+        "temperature": list(config.temperature),
         "seed": config.seed,
         "max_model_len": max_model_len,
     }
-    if config.base_url is not None:
-        baseline, speculative = _runs_over_http(config, workload, settings, say)
-    else:
-        say("baseline (no speculation)")
-        baseline = _run(config, None, workload, max_model_len, say)
-        speculative = None
-        if spec is not None:
-            say(f"speculative ({spec.method}, k={spec.num_speculative_tokens})")
-            speculative = _run(config, spec, workload, max_model_len, say)
+    runs = []
+    for temperature in config.temperature:
+        if config.base_url is not None:
+            baseline, speculative = _runs_over_http(config, workload, temperature, settings, say)
+        else:
+            say(f"baseline (no speculation), temperature {temperature:g}")
+            baseline = _run(config, None, workload, max_model_len, temperature, say)
+            speculative = None
+            if spec is not None:
+                say(f"speculative ({spec.method}, k={spec.num_speculative_tokens}), temperature {temperature:g}")
+                speculative = _run(config, spec, workload, max_model_len, temperature, say)
+        runs.append({"temperature": temperature, **_compare(baseline, speculative)})
+    return {"settings": settings, **{k: v for k, v in runs[0].items() if k != "temperature"}, "runs": runs}
+
+
+def _compare(baseline: dict[str, Any] | None, speculative: dict[str, Any] | None) -> dict[str, Any]:
+    """One temperature's runs, their deltas and how many requests' outputs matched."""
     outputs = [run.pop("_outputs") if run is not None else None for run in (baseline, speculative)]
-    identical = None
-    if baseline is not None and speculative is not None:
-        identical = sum(a == b for a, b in zip(*outputs))
+    both = baseline is not None and speculative is not None
     return {
-        "settings": settings,
         "baseline": baseline,
         "speculative": speculative,
-        "deltas": deltas(baseline, speculative) if baseline is not None and speculative is not None else None,
-        "identical_outputs": identical,
+        "deltas": deltas(baseline, speculative) if both else None,
+        "identical_outputs": sum(a == b for a, b in zip(*outputs)) if both else None,
     }
 
 
-def _runs_over_http(config: BenchConfig, workload: Workload, settings: dict[str, Any], say):
-    """The run against ``base_url`` (and the baseline against ``baseline_url``), as (baseline, speculative):
-    a server without speculation is a baseline. The engine options are the servers'."""
+def _runs_over_http(config: BenchConfig, workload: Workload, temperature: float, settings: dict[str, Any], say):
+    """The run against ``base_url`` (and the baseline against ``baseline_url``) at ``temperature``, as
+    (baseline, speculative): a server without speculation is a baseline. The engine options are the
+    servers' (and so are their prefix caches: a later temperature's prompts may find pages an earlier
+    one left)."""
     from specdec.bench.http import run_over_http
 
-    common = dict(output_len=config.output_len, temperature=config.temperature, concurrency=config.concurrency,
+    common = dict(output_len=config.output_len, temperature=temperature, concurrency=config.concurrency,
                   seed=config.seed, progress=say)
     runs = [run_over_http(url, workload, **common) for url in (config.baseline_url, config.base_url) if url]
     for run in runs:

@@ -1,5 +1,5 @@
-"""The seed-001 table of a benchmark result (plus mean TTFT and the prefix-cache hits), and progress lines
-for a person watching."""
+"""The seed-001 table of a benchmark result (plus a temperature column, mean TTFT, the prefix-cache
+hits and the drafts chosen per step), and progress lines for a person watching."""
 
 from __future__ import annotations
 
@@ -25,25 +25,59 @@ def _length(n: float) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def _temperature(t: float | None) -> str:
+    return "-" if t is None else f"{t:g}"
+
+
+def _k_chosen(stats: dict[str, Any]) -> str | None:
+    """``"k chosen: 0:12% 1:30% 2:28% 3:30%"``: the share of (request, step) pairs given each number of
+    drafts (``num_drafts_histogram``); None when nothing was counted."""
+    histogram = stats.get("num_drafts_histogram") or []
+    total = sum(histogram)
+    if not total:
+        return None
+    return "k chosen: " + " ".join(f"{j}:{count / total * 100:.0f}%" for j, count in enumerate(histogram))
+
+
+def _by_temperature(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``result["runs"]``; a result without them (one temperature, built by hand) as its one entry."""
+    if result.get("runs"):
+        return result["runs"]
+    t = result["settings"].get("temperature")
+    if isinstance(t, list):  # the top-level runs are the first temperature's
+        t = t[0] if t else None
+    return [{"temperature": t, **{k: result[k] for k in ("baseline", "speculative", "deltas", "identical_outputs")}}]
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The seed 001 table (one row per run, deltas against the baseline) and the acceptance lines."""
+    """The seed 001 table (per temperature, one row per run with deltas against that temperature's
+    baseline), then per spec run the acceptance line (with the drafts chosen) and the outputs match."""
     s = result["settings"]
     spec_cfg = s["speculative_config"]
-    runs = [("no", result["baseline"], None)] if result["baseline"] is not None else []
-    if result["speculative"] is not None:
-        label = f"{spec_cfg['method']} k={spec_cfg['num_speculative_tokens']}"
-        runs.append((label, result["speculative"], result["deltas"]))
+    entries = _by_temperature(result)
+    several = len(entries) > 1
+    spec_label = ""
+    if spec_cfg is not None:
+        k = spec_cfg["num_speculative_tokens"]
+        method = spec_cfg["method"]
+        spec_label = f"{method} adaptive k<={k}" if spec_cfg.get("adaptive") else f"{method} k={k}"
+    runs = []  # (label, temperature, run, deltas)
+    for entry in entries:
+        if entry["baseline"] is not None:
+            runs.append(("no", entry["temperature"], entry["baseline"], None))
+        if entry["speculative"] is not None:
+            runs.append((spec_label, entry["temperature"], entry["speculative"], entry["deltas"]))
     header = [
-        "Spec", "ISL/OSL", "Conc", "Req/s", "delta", "Total tok/s", "delta", "Output tok/s", "delta",
+        "Spec", "T", "ISL/OSL", "Conc", "Req/s", "delta", "Total tok/s", "delta", "Output tok/s", "delta",
         "median TTFT (ms)", "delta", "TPOT mean/med/p99 (ms)", "delta", "ITL mean/med/p99 (ms)", "delta",
         "mean TTFT (ms)", "prefix cache hits/queries",
     ]
     rows = [header]
     lengths = f"{_length(s['mean_input_len'])}/{_length(s['output_len'])}"
-    for label, run, d in runs:
+    for label, t, run, d in runs:
         d = d or {}
         rows.append([
-            label, lengths, str(s["concurrency"]),
+            label, _temperature(t), lengths, str(s["concurrency"]),
             f"{run['request_throughput']:.3f}", _pct(d.get("request_throughput")),
             f"{run['total_token_throughput']:.1f}", _pct(d.get("total_token_throughput")),
             f"{run['output_throughput']:.1f}", _pct(d.get("output_throughput")),
@@ -64,21 +98,30 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for row in rows:  # the label left-aligned, numbers right-aligned
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    named = [(f"{label} T={_temperature(t)}" if several else label, run) for label, t, run, _ in runs]
     lines.append(
-        "duration (s): " + ", ".join(f"{label} {run['duration_s']:.2f}" for label, run, _ in runs)
-        + "; preemptions: " + ", ".join(f"{label} {run['num_preemptions']}" for label, run, _ in runs)
+        "duration (s): " + ", ".join(f"{label} {run['duration_s']:.2f}" for label, run in named)
+        + "; preemptions: " + ", ".join(f"{label} {run['num_preemptions']}" for label, run in named)
         + "; ITL counts one gap per emission (a speculative step emits several tokens at once), as vLLM does"
     )
-    spec_run = result["speculative"]
-    if spec_run is not None:
+    for entry in entries:
+        spec_run, t = entry["speculative"], entry["temperature"]
+        if spec_run is None:
+            continue
+        at = f"T={_temperature(t)}: " if several else ""
         st = spec_run["spec_stats"]
         per_position = ", ".join(f"{a:.3f}" for a in st["acceptance_per_position"])
+        chosen = _k_chosen(st)
         lines.append(
-            f"acceptance per position: {per_position}; draft acceptance rate {st['draft_acceptance_rate'] * 100:.1f}%; "
+            f"{at}acceptance per position: {per_position}; "
+            f"draft acceptance rate {st['draft_acceptance_rate'] * 100:.1f}%; "
             f"mean acceptance length {st['mean_acceptance_length']:.2f} ({st['num_drafts']} drafts)"
+            + (f"; {chosen}" if chosen else "")
         )
-        if result["identical_outputs"] is not None:
-            lines.append(f"outputs identical to the baseline: {result['identical_outputs']}/{s['num_prompts']}")
+        if entry["identical_outputs"] is not None:
+            sampled = " (sampled: speculation draws differently, only greedy outputs must match)" if t else ""
+            lines.append(f"{at}outputs identical to the baseline: {entry['identical_outputs']}/{s['num_prompts']}"
+                         f"{sampled}")
     return "\n".join(lines)
 
 

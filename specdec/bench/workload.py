@@ -1,7 +1,6 @@
 """The benchmark's workloads: which requests a run sends, and where their prompts come from.
 
-- ``single`` (the default): independent prompts, a JSONL dataset's or synthetic token ids drawn
-  uniformly from the model's vocabulary.
+- ``single`` (the default): independent prompts of ``input_len`` tokens, or a JSONL dataset's.
 - ``shared-prefix``: ``num_prompts`` requests over ``num_prefixes`` system prompts of ``prefix_len``
   tokens; request ``i`` is system prompt ``i % num_prefixes`` followed by a user suffix of its own of
   ``input_len`` tokens.
@@ -10,11 +9,29 @@
   output + a new user message of ``input_len`` tokens, so a conversation's turns run one after
   another, each once the previous one's output is known (:meth:`Workload.follow_up`).
 
-The texts of the last two are consecutive, non-overlapping windows of held-out text (the training
-corpus's validation split: Python standard-library sources and pydoc topics no zoo model trained on),
-through the model folder's tokenizer, so nothing is shared but what the workload shares; without a
-tokenizer they are synthetic token ids. Warm-up requests get prompts of their own, never a run's, so
-a run's prefix-cache hits come from its own workload only.
+Prompt sources (``--prompt-source``; a ``--dataset`` replaces them for ``single``):
+
+- ``held-out`` (the default): text no zoo model trained on. ``scripts/build_zoo.py`` trains the
+  tokenizer, every target and every draft on the *train* split of the offline corpus
+  (:mod:`specdec.train.corpus`: the interpreter's standard-library sources plus pydoc's topics; the
+  drafts' self-distilled text is the target's continuation of train-split windows); the
+  *validation* split (about 5% of the documents, chosen by a hash of each document's name, so a
+  file is held out on every machine and Python version) is only ever evaluated on. The prompts come
+  from its stdlib files only: pydoc's topics repeat one another (most of a held-out topic's text
+  is also in a training topic). Those files, in their fixed order, through the model folder's
+  tokenizer, make one token stream; a workload's windows are non-overlapping and spread evenly over
+  all of it (each window starts an equal share of the remaining slack after the previous one), so
+  prompts sample every held-out file rather than the first. A window holding a ``COPY_PIECE``-token
+  piece (of its consecutive pieces from its start) found verbatim in the training text (a licence
+  header, a function two modules share) moves on by a piece until it holds none, so no prompt
+  shares a span of ``2 * COPY_PIECE`` tokens or more with what the models trained on. The same
+  arguments give the same prompts (per Python version: the stdlib's text differs between versions).
+  Nothing to download: every Python installation has it.
+- ``synthetic``: token ids drawn uniformly from the model's vocabulary (special tokens left out)
+  with ``seed``; the default for a model folder without a tokenizer.
+
+Warm-up requests get prompts of their own, never a run's, so a run's prefix-cache hits come from
+its own workload only. :attr:`Workload.source` names the source, for the table and ``--json``.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +47,11 @@ import attrs
 
 DEFAULT_PROMPTS = 16
 WORKLOADS = ("single", "shared-prefix", "multi-turn")
-HELD_OUT = "held-out text (corpus validation split)"
+PROMPT_SOURCES = ("held-out", "synthetic")
+HELD_OUT = (f"held-out text (Python {sys.version_info[0]}.{sys.version_info[1]} stdlib files of the training "
+            "corpus's validation split, no zoo model trained on)")
+SYNTHETIC = "synthetic token ids (uniform over the vocabulary)"
+COPY_PIECE = 32  # tokens: a held-out window holding a piece this long found verbatim in the training text is skipped
 
 
 @attrs.frozen
@@ -81,26 +103,49 @@ def synthetic_prompts(num: int, input_len: int, vocab_size: int, exclude: Sequen
 
 
 @functools.cache
-def _held_out_texts() -> tuple[str, ...]:
-    from specdec.train.corpus import load_documents
+def _corpus() -> tuple[tuple[str, ...], str]:
+    """(held-out texts, training text): the offline corpus's validation-split stdlib files in their
+    fixed order, and every train-split document (what the zoo trained on) joined by NULs."""
+    from specdec.train.corpus import CorpusConfig, iter_documents, split_of
 
-    return tuple(doc.text for doc in load_documents("validation"))
+    config = CorpusConfig()  # scripts/build_zoo.py's
+    held_out, train = [], []
+    for doc in iter_documents("all", config):
+        if split_of(doc.name, config.validation_fraction) == "train":
+            train.append(doc.text)
+        elif doc.name.startswith("stdlib/"):
+            held_out.append(doc.text)
+    return tuple(held_out), "\0".join(train)
+
+
+def _copied(tokenizer, window: Sequence[int], training_text: str) -> bool:
+    """Whether one of the window's consecutive ``COPY_PIECE``-token pieces occurs verbatim in the training text."""
+    return any(tokenizer.decode(window[i : i + COPY_PIECE]) in training_text
+               for i in range(0, len(window) - COPY_PIECE + 1, COPY_PIECE))
 
 
 def held_out_windows(tokenizer, lengths: Sequence[int]) -> list[list[int]]:
-    """Consecutive, non-overlapping windows of ``lengths`` tokens of held-out text (no special tokens)."""
-    need, stream = sum(lengths), []
-    for text in _held_out_texts():
-        if len(stream) >= need:
-            break
-        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    if len(stream) < need:
-        raise ValueError(f"the held-out text holds {len(stream)} tokens, fewer than the {need} this workload needs; "
+    """Non-overlapping windows of ``lengths`` tokens of held-out text (no special tokens), spread evenly
+    over the whole held-out stream, in order; a window with a piece copied from the training text
+    moves on past it (see the module docstring)."""
+    texts, training_text = _corpus()
+    stream: list[int] = []
+    for ids in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
+        stream += ids
+    rest = sum(lengths)  # tokens of the windows not cut yet
+    if len(stream) < rest:
+        raise ValueError(f"the held-out text holds {len(stream)} tokens, fewer than the {rest} this workload needs; "
                          "lower --num-prompts, --input-len, --prefix-len or --num-turns")
     windows, start = [], 0
-    for n in lengths:
+    for i, n in enumerate(lengths):
+        while start + rest <= len(stream) and _copied(tokenizer, stream[start : start + n], training_text):
+            start += COPY_PIECE
+        if start + rest > len(stream):
+            raise ValueError("the held-out text has too few tokens not copied from the training text for this "
+                             "workload; lower --num-prompts, --input-len, --prefix-len or --num-turns")
         windows.append(stream[start : start + n])
-        start += n
+        rest -= n
+        start += n + (len(stream) - start - n - rest) // (len(lengths) - i)  # an equal share of what is left
     return windows
 
 
@@ -180,6 +225,18 @@ def _synthetic(model: str, tokenizer, lengths: Sequence[int], seed: int) -> list
     return synthetic_windows(lengths, vocab, special, seed)
 
 
+def _windows(config, tokenizer, lengths: Sequence[int]) -> tuple[list[list[int]], str]:
+    """Windows of ``lengths`` tokens from the config's prompt source, and the source's name."""
+    source = config.prompt_source or ("held-out" if tokenizer is not None else "synthetic")
+    if source == "synthetic":
+        name = SYNTHETIC if tokenizer is not None else f"{SYNTHETIC[:-1]}; the model folder has no tokenizer)"
+        return _synthetic(config.model, tokenizer, lengths, config.seed), name
+    if tokenizer is None:
+        raise ValueError("--prompt-source held-out is text, but the model folder has no tokenizer; "
+                         "use --prompt-source synthetic or a --dataset of prompt_token_ids")
+    return held_out_windows(tokenizer, lengths), HELD_OUT
+
+
 def load_workload(config) -> Workload:
     """The :class:`Workload` of a :class:`~specdec.bench.config.BenchConfig` (see the module docstring)."""
     from specdec.tokenizer import load_tokenizer
@@ -192,18 +249,15 @@ def load_workload(config) -> Workload:
             warm = _synthetic(config.model, tokenizer, [len(prompts[i % len(prompts)]) for i in range(warmup)],
                               config.seed + 1)
             return Workload("single", prompts, warm, "single prompts", f"dataset {config.dataset}")
-        ids = _synthetic(config.model, tokenizer, [input_len] * (n + warmup), config.seed)
-        return Workload("single", ids[:n], ids[n:], f"single prompts of {input_len} tokens", "synthetic token ids")
+        windows, source = _windows(config, tokenizer, [input_len] * (n + warmup))
+        return Workload("single", windows[:n], windows[n:], f"single prompts of {input_len} tokens", source)
     if config.workload == "shared-prefix":
         k = config.num_prefixes
         lengths = [config.prefix_len] * k + [input_len] * n + [config.prefix_len + input_len] * warmup
     else:
         k = config.num_turns
         lengths = [input_len] * (n * k + warmup)
-    if tokenizer is not None:
-        windows, source = held_out_windows(tokenizer, lengths), HELD_OUT
-    else:
-        windows, source = _synthetic(config.model, None, lengths, config.seed), "synthetic token ids (no tokenizer)"
+    windows, source = _windows(config, tokenizer, lengths)
     if config.workload == "shared-prefix":
         systems, suffixes = windows[:k], windows[k : k + n]
         prompts = [systems[i % k] + suffixes[i] for i in range(n)]

@@ -29,7 +29,7 @@ def run_once(config: BenchConfig, workload, spec, caching: bool) -> dict:
     llm = LLM(config.model, speculative_config=spec, dtype=config.dtype, kv_cache_memory=config.kv_cache_memory,
               max_num_seqs=config.concurrency, max_num_batched_tokens=config.max_num_batched_tokens,
               enable_prefix_caching=caching)
-    params = SamplingParams(max_tokens=config.output_len, temperature=config.temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=config.output_len, temperature=config.temperature[0], ignore_eos=True)
     serve(llm.engine, workload.warmup, params, config.concurrency)
     before = llm.engine.prefix_cache_stats()
     queries, hits = before.queries, before.hits

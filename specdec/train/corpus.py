@@ -9,6 +9,7 @@ Python version yields a different (but equally deterministic) corpus, since its 
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -62,11 +63,11 @@ def stdlib_root(config: CorpusConfig | None = None) -> Path:
 
 def _stdlib_files(root: Path) -> list[Path]:
     files = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        if parts[0] in _SKIPPED_TOP or any(p in _SKIPPED_DIRS for p in parts[:-1]):
-            continue
-        files.append(path)
+    for folder, subfolders, names in os.walk(root):
+        # Pruned while walking: site-packages alone can hold most of the tree.
+        top = Path(folder) == root
+        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS and not (top and d in _SKIPPED_TOP)]
+        files += [Path(folder) / name for name in names if name.endswith(".py")]
     # Sort on the POSIX relative path so the order does not depend on the filesystem.
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 

@@ -114,6 +114,28 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Half types oneDNN has kernels for on this CPU, by torch's own probes (bf16 wants AVX-512 or
+# AVX-NE-CONVERT). Elsewhere, as on an AVX2-only EPYC, torch's half GEMMs are scalar fallbacks, 3-4x
+# slower than float32's at 8 rows, and its half attention 1.5-2x slower than converting to float32 first.
+_NATIVE_HALF = frozenset(
+    dtype
+    for dtype, probe in ((torch.bfloat16, "_is_mkldnn_bf16_supported"), (torch.float16, "_is_mkldnn_fp16_supported"))
+    if torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, probe)()
+)
+
+
+def math_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to run ``dtype``'s GEMMs and attention in on ``device``: float32 for a half type the CPU
+    has no kernels for, else ``dtype`` itself.
+
+    Nothing is lost by the detour: a product of two half values is exact in float32, and half kernels
+    accumulate in float32 too, so the result is the half type's up to summation order once rounded
+    back (which callers do where the half kernel would round: on the way out)."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and dtype not in _NATIVE_HALF:
+        return torch.float32
+    return dtype
+
+
 # What ``attention`` / ``mla_attention`` return: ``out``, or ``(out, lse)`` with ``return_lse``.
 AttentionOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype
+from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype, math_dtype
 from specdec.backends import pages
 
 
@@ -72,10 +72,13 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     Queries are padded per request to ``[B, max_query_len, H, D]`` (a view when every request has
     ``max_query_len`` of them: decode and verify batches), so scores are ``[B, H, max_query_len, S]``,
-    not ``[T, S, ...]``. A query that sees no key gets 0 (and ``-inf`` LSE).
+    not ``[T, S, ...]``. A query that sees no key gets 0 (and ``-inf`` LSE). Half types the CPU has no
+    kernels for run in float32 (:func:`~specdec.backends.base.math_dtype`), the output rounded back.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = keys.shape[0]
+    out_dtype, work = q.dtype, math_dtype(q.dtype, q.device)
+    q, keys, values = q.to(work), keys.to(work), values.to(work)
     uniform = num_tokens == batch * meta.max_query_len
     request, offset = (None, None) if uniform else _query_index(meta)
     if uniform:
@@ -83,35 +86,48 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     else:
         padded_q = q.new_zeros(batch, meta.max_query_len, num_heads, head_dim)
         padded_q[request, offset] = q
-    mask = None if uniform and _sees_every_key(meta, sliding_window) else meta.derived(
-        ("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window)
-    )
+    custom = None
     if meta.custom_mask is not None:  # [T, >= S], ANDed with the layout
         custom = meta.custom_mask[:, : meta.max_seq_len]
         if uniform:
             custom = custom.view(batch, meta.max_query_len, -1)
         else:
             custom = custom.new_zeros(batch, meta.max_query_len, custom.shape[-1]).index_put_((request, offset), custom)
-        mask = custom if mask is None else mask & custom
-    if keys.dtype != q.dtype:
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
     if return_lse:
-        if mask is None:
-            mask = meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
-        out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask, scale)
+        mask = _layout_mask_of(meta, sliding_window)
+        out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask if custom is None else mask & custom,
+                                       scale)
         lse = lse.transpose(1, 2)  # [B, max_query_len, H]
         lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
     else:
+        sees_all = uniform and _sees_every_key(meta, sliding_window)
+        if custom is not None:
+            bias = _score_bias(custom if sees_all else _layout_mask_of(meta, sliding_window) & custom, work)
+        else:  # the layout's mask alone: one bias per forward, for every layer
+            bias = None if sees_all else meta.derived(
+                ("torch_ref.bias", sliding_window, work), lambda m: _score_bias(_layout_mask_of(m, sliding_window), work)
+            )
         # torch's fused kernel (float32 accumulation for half types; GQA without repeating K/V). Rows
         # that see no key come back as 0, which tests/backends/test_torch_ref.py holds it to.
         out = F.scaled_dot_product_attention(
-            padded_q.transpose(1, 2), keys, values, attn_mask=None if mask is None else mask[:, None], scale=scale,
-            enable_gqa=True,
+            padded_q.transpose(1, 2), keys, values, attn_mask=bias, scale=scale, enable_gqa=True
         )
     out = out.transpose(1, 2)  # [B, max_query_len, H, Dv]
-    out = out.reshape(num_tokens, num_heads, -1) if uniform else out[request, offset]
+    out = (out.reshape(num_tokens, num_heads, -1) if uniform else out[request, offset]).to(out_dtype)
     return (out, lse) if return_lse else out
+
+
+def _layout_mask_of(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+    """:func:`_layout_mask`, once per forward."""
+    return meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
+
+
+def _score_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool ``mask [B, Q, S]`` as the ``[B, 1, Q, S]`` scores' bias: 0 where a key is seen, ``-inf``
+    elsewhere. SDPA turns a bool mask into exactly this on every call; a forward's layers share one."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, None]
 
 
 def _explicit_attention(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec.backends import AttentionMetadata, get_backend
+from specdec.backends.base import math_dtype
 from specdec.backends.torch_ref import TorchBackend
 
 SHAPES = {
@@ -161,3 +162,19 @@ def test_queries_that_see_no_key_get_zeros(dtype):
     assert out[:3].abs().sum() > 0
     assert torch.equal(lse[3:], torch.full_like(lse[3:], float("-inf")))
     torch.testing.assert_close(out, out_lse, rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.skipif(math_dtype(torch.bfloat16, torch.device("cpu")) != torch.float32,
+                    reason="oneDNN has bf16 kernels on this CPU: bf16 attention runs in bf16")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_half_attention_without_half_kernels_is_float32_rounded_once(shape):
+    """On a CPU without bf16 kernels, bf16 attention is float32 attention over the same bf16 values,
+    rounded to bf16 once at the end (with the LSE in float32)."""
+    q, k_cache, v_cache, meta, _ = build_case(shape, 4, 2, 4, seed=9)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    backend = TorchBackend()
+    half, full = (q, k_cache, v_cache), (q.float(), k_cache.float(), v_cache.float())
+    out, ref = (backend.attention(*x, meta, scale=0.25) for x in (half, full))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
+    (out, lse), (ref, ref_lse) = (backend.attention(*x, meta, scale=0.25, return_lse=True) for x in (half, full))
+    assert torch.equal(out, ref.bfloat16()) and torch.equal(lse, ref_lse)

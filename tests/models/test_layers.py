@@ -87,17 +87,18 @@ def test_packed_linear_loads_its_parts_and_computes_them_in_one_product():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkpoint, dtype):
-    """load_model prepacks every Linear and the LM head on the CPU in float32 and bfloat16; the products
-    agree with plain F.linear to rounding, and a cast to float64 runs unpacked, exactly."""
+    """load_model prepacks every Linear and the LM head on the CPU in float32 and bfloat16 (a bf16 weight
+    as a float32 copy where oneDNN has no bf16 GEMMs); the products agree with plain F.linear to
+    rounding, and a cast to float64 runs unpacked, exactly."""
+    from specdec.backends.base import math_dtype
     from specdec.models.layers import Linear
     from specdec.models.loader import load_model
 
     model = load_model(tiny_checkpoint("llama"), dtype=dtype)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # oneDNN's bf16 GEMMs need AVX-512 or AVX-NE-CONVERT: without them bf16 weights stay unpacked.
-    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert linears and all((m.prepacked is not None) == packs for m in linears)
-    assert (model._prepacked_head is not None) == packs
+    served = math_dtype(dtype, torch.device("cpu"))  # float32 for bf16 on an AVX2-only CPU
+    assert linears and all(m.prepacked is not None and m.prepacked.dtype == served for m in linears)
+    assert model._prepacked_head is not None and model._prepacked_head.dtype == served
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     x = torch.randn(4, model.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
     for m in linears:

@@ -43,7 +43,9 @@ class RequestStep:
     - ``request_id``: the engine's id of the request; ``index``: its position in the caller's input.
     - ``new_token_ids``: the tokens appended to its output this step (accepted drafts plus one token,
       cut after a stop token); ``draft_token_ids``: the drafts it was given (empty without), of which
-      the first ``num_accepted`` were accepted.
+      the first ``num_accepted`` were accepted; ``num_drafts_chosen``: how many it was allowed
+      (``num_speculative_tokens`` or fewer near its end; with ``adaptive``, the controller's choice; the
+      proposer may draft fewer).
     - ``finish_reason``: None while it runs, else ``"stop"``, ``"length"`` or ``"abort"``.
     - ``logprobs``: one :class:`TokenLogprob` per new token when the request asked for them;
       ``prompt_logprobs``: in the step that computed the prompt (again after a preemption's recompute),
@@ -56,6 +58,7 @@ class RequestStep:
     draft_token_ids: tuple[int, ...] = ()
     num_accepted: int = 0
     finish_reason: str | None = None
+    num_drafts_chosen: int = 0
     logprobs: tuple["TokenLogprob", ...] | None = None
     prompt_logprobs: tuple["TokenLogprob", ...] | None = None
 
@@ -79,8 +82,8 @@ class StepOutput:
 
 def trace_entries(steps: Sequence[StepOutput]) -> list[dict]:
     """One dict per step and request that had drafts, in order (the CLI's ``--trace``): ``step`` (counted
-    from the first of ``steps``), ``request`` (input index), ``draft_token_ids``, ``num_accepted``,
-    ``emitted_token_ids``."""
+    from the first of ``steps``), ``request`` (input index), ``num_drafts_chosen``, ``draft_token_ids``,
+    ``num_accepted``, ``emitted_token_ids``."""
     if not steps:
         return []
     first = steps[0].step
@@ -88,6 +91,7 @@ def trace_entries(steps: Sequence[StepOutput]) -> list[dict]:
         {
             "step": out.step - first,
             "request": r.index,
+            "num_drafts_chosen": r.num_drafts_chosen,
             "draft_token_ids": list(r.draft_token_ids),
             "num_accepted": r.num_accepted,
             "emitted_token_ids": list(r.new_token_ids),

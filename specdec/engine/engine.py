@@ -330,7 +330,7 @@ class LLMEngine:
             accepted, verified = self._verify(logits, layout, drafts, sampling)
             for j, i in enumerate(layout.sampling):
                 num_accepted[i], emitted[i] = accepted[j], verified[j]
-        out = self._commit(seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted)
+        out = self._commit(seqs, layout, max_drafts, draft_ids, emitted, num_accepted, output, logits, preempted)
         self.draft_counts.step_ended(layout.num_rows, len(seqs), max_drafts)
         return out
 
@@ -391,10 +391,10 @@ class LLMEngine:
         result = verifier.verify(logits, padded, num_drafts, probs, sampling)
         return result.num_accepted.tolist(), result.emitted()
 
-    def _commit(self, seqs, layout, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:
+    def _commit(self, seqs, layout, chosen, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:
         """Append what each request emitted, cut every pool back to the verified length, release the
-        finished, tell the proposer; the step's :class:`StepOutput` (``logits``: the verify rows', for
-        the logprobs a request asks for)."""
+        finished, tell the proposer; the step's :class:`StepOutput` (``chosen``: each request's drafts
+        allowed; ``logits``: the verify rows', for the logprobs a request asks for)."""
         cache, truncated = self.cache, self.pools.per_request
         results, finished = [], []
         generated = 0
@@ -408,7 +408,7 @@ class LLMEngine:
             new = tuple(seq.token_ids[before:])
             results.append(RequestStep(
                 seq.seq_id, seq.index, new, tuple(draft_ids[i]), num_accepted[i] if draft_ids[i] else 0,
-                seq.finish_reason,
+                seq.finish_reason, num_drafts_chosen=chosen[i],
                 logprobs=new_token_logprobs(seq, new, logits[first_rows[i] :]),
                 prompt_logprobs=prompt_logprobs(self.model, seq, layout, i, output),
             ))

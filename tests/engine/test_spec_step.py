@@ -68,12 +68,12 @@ def test_stats_and_trace_match_a_hand_count(target, greedy):
     assert [s.output_token_ids for s in seqs] == [g[:11], h[:3]]
     w = lambda t: (t + 1) % VOCAB  # noqa: E731
     assert trace_entries(steps) == [
-        {"step": 0, "request": 0, "draft_token_ids": g[0:3], "num_accepted": 3, "emitted_token_ids": g[0:4]},
-        {"step": 1, "request": 0, "draft_token_ids": [g[4], w(g[5]), g[6]], "num_accepted": 1,
+        {"step": 0, "request": 0, "num_drafts_chosen": 3, "draft_token_ids": g[0:3], "num_accepted": 3, "emitted_token_ids": g[0:4]},
+        {"step": 1, "request": 0, "num_drafts_chosen": 3, "draft_token_ids": [g[4], w(g[5]), g[6]], "num_accepted": 1,
          "emitted_token_ids": g[4:6]},
-        {"step": 1, "request": 1, "draft_token_ids": [w(h[1])], "num_accepted": 0, "emitted_token_ids": [h[1]]},
-        {"step": 3, "request": 0, "draft_token_ids": [w(g[7])], "num_accepted": 0, "emitted_token_ids": [g[7]]},
-        {"step": 4, "request": 0, "draft_token_ids": g[8:10], "num_accepted": 2, "emitted_token_ids": g[8:11]},
+        {"step": 1, "request": 1, "num_drafts_chosen": 1, "draft_token_ids": [w(h[1])], "num_accepted": 0, "emitted_token_ids": [h[1]]},
+        {"step": 3, "request": 0, "num_drafts_chosen": 3, "draft_token_ids": [w(g[7])], "num_accepted": 0, "emitted_token_ids": [g[7]]},
+        {"step": 4, "request": 0, "num_drafts_chosen": 2, "draft_token_ids": g[8:10], "num_accepted": 2, "emitted_token_ids": g[8:11]},
     ]
     stats = engine.spec_stats.as_dict()
     assert stats == {

@@ -1,5 +1,22 @@
-"""The n-gram (prompt lookup) proposer: draft the tokens that followed the latest earlier occurrence of
-the request's suffix (``ngram_propose``), over each request's own tokens."""
+"""The n-gram (prompt lookup) proposer: drafts from the request's own tokens (``ngram_propose``).
+
+The rule: take the most recent earlier occurrence of the longest recurring suffix and draft what
+followed it, the copy running on into its own draft when that occurrence is fewer than k tokens
+back (so a match always drafts k tokens). Measured with ``benchmarks/bench_ngram_match.py`` (zoo
+llama-tiny, float32, greedy, lookup 2..3, 128 new tokens; tokens a draft / tau):
+
+    rule                                   peer prompts k=3   held-out k=3   held-out k=5
+    most recent, cut at the text's end     2.48 / 2.90        2.69 / 2.90    3.87 / 3.39
+    earliest (vLLM's)                      2.95 / 3.20        2.96 / 2.68    4.88 / 3.20
+    longest continuation, then most recent 2.95 / 3.28        2.97 / 3.08    4.88 / 3.98
+    most recent, repeating (this one)      2.97 / 3.32        2.97 / 3.11    4.93 / 4.08
+
+The earliest match drafts stale text; the most recent, cut short, loses most of its last position.
+A per-position frequency vote over every occurrence (same repetition) is level with this rule on
+held-out text (tau 3.12 and 4.06 against 3.11 and 4.08; at T=0.7, k=3, 1.54 against 1.55) for k
+``np.unique`` passes a call, and ahead only on the peer harness's prompts (3.45 at k=3), 15 of whose
+16 the target trained on.
+"""
 
 from __future__ import annotations
 
@@ -29,41 +46,59 @@ def _as_array(tokens: TokenSequence) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64)
 
 
-def ngram_propose(tokens: TokenSequence, k: int, min_n: int, max_n: int) -> np.ndarray:
-    """Draft up to ``k`` tokens for a request whose tokens so far are ``tokens``.
+def suffix_match_ends(tokens: TokenSequence, min_n: int, max_n: int) -> np.ndarray:
+    """Where the sequence's longest recurring suffix occurs earlier: the end index of every earlier
+    occurrence, ascending (int64; empty when no suffix of ``min_n``..``max_n`` tokens recurs).
 
-    Finds the longest n-gram, ``max_n >= n >= min_n``, that ends the sequence and also occurs
-    earlier in it (occurrences may overlap the suffix), takes its most recent earlier occurrence,
-    and returns the up to ``k`` tokens that followed it (fewer when that occurrence is near the end).
-    Returns an int64 array of 0..k ids; empty when no suffix of length >= ``min_n`` recurs.
-
-    Cost: one vectorised comparison over the sequence for the last token, then each longer
+    The suffix is the longest n-gram, ``max_n >= n >= min_n``, that ends the sequence and also ends
+    at some index ``e <= len - 2`` (so at least one token follows it; occurrences may overlap the
+    suffix). Cost: one vectorised comparison over the sequence for the last token, then each longer
     suffix only re-checks the positions that still match, so it is O(L) plus a few small steps.
     """
-    if not (isinstance(k, int) and k >= 0):
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
     if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
         raise ValueError(f"need ints 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
     seq = _as_array(tokens)
     length = seq.shape[0]
-    if k == 0 or length < min_n + 1:
+    if length < min_n + 1:
         return _EMPTY
-    # Ends e of earlier occurrences: e <= length - 2, so at least one token follows each.
     ends = np.flatnonzero(seq[: length - 1] == seq[length - 1])
-    best_end = -1
+    best = _EMPTY
     n = 1
     while ends.size:
         if n >= min_n:
-            best_end = int(ends[-1])  # the most recent occurrence matching n tokens
+            best = ends  # every earlier occurrence matching n tokens
         if n == max_n:
             break
         ends = ends[ends >= n]  # room for one more token before the occurrence
         ends = ends[seq[ends - n] == seq[length - 1 - n]]
         n += 1
-    if best_end < 0:
+    return best
+
+
+def ngram_propose(tokens: TokenSequence, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Draft ``k`` tokens for a request whose tokens so far are ``tokens``.
+
+    Takes the most recent earlier occurrence of the longest recurring suffix
+    (:func:`suffix_match_ends`) and drafts what followed it, as if the text went on repeating from
+    there: when fewer than ``k`` tokens follow the occurrence, the copy runs on into its own output,
+    so a match ``p`` tokens back drafts the last ``p`` tokens over and over (period ``p``). Returns an
+    int64 array of ``k`` ids; empty when no suffix of length >= ``min_n`` recurs (or ``k`` is 0).
+
+    Of the rules measured (the module docstring has the figures) this one accepts the most on
+    held-out text: it drafts from the most recent context, like a plain most-recent match, but in
+    full (tau 3.11 against 2.90 at k=3, 4.08 against 3.39 at k=5), where vLLM's earliest match
+    drafts stale text (2.68 and 3.20).
+    """
+    if not (isinstance(k, int) and k >= 0):
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    seq = _as_array(tokens)
+    ends = suffix_match_ends(seq, min_n, max_n)
+    if k == 0 or not ends.size:
         return _EMPTY
-    # A copy, never a view: the caller keeps appending to (and may reuse) its token buffer.
-    return seq[best_end + 1 : best_end + 1 + k].astype(np.int64)
+    end = int(ends[-1])
+    period = seq.shape[0] - 1 - end  # tokens after the occurrence, >= 1
+    # Fancy indexing copies: the caller keeps appending to (and may reuse) its token buffer.
+    return seq[end + 1 + np.arange(k) % period].astype(np.int64, copy=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -88,7 +123,7 @@ class NgramOptions(CommonOptions):
 
 @keys_from(NgramOptions)
 class NgramProposer(ProposerBase):
-    """Drafts the tokens that followed the latest earlier occurrence of the request's suffix.
+    """Drafts what followed the latest earlier occurrence of the request's suffix (``ngram_propose``).
 
     Keys: :class:`NgramOptions`. Deterministic (q is one-hot, ``draft_probs`` None), no KV pool, no
     model. Each request's tokens are mirrored in a growing numpy buffer, so a step copies only the new

@@ -91,6 +91,7 @@ def instrument(clock: PhaseClock, engine, processor) -> None:
     """Wrap the calls of a plain decode step, phase by phase (the README's step: scheduler -> forward ->
     sampler -> commit, and the front end's output processing)."""
     from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding
+    from specdec.models.moe import FusedExperts
     from specdec.models.parallel import RowParallelLinear
     from specdec.runtime.layout import StepLayout
     from specdec.sampling.sampler import SamplingBatch
@@ -111,6 +112,8 @@ def instrument(clock: PhaseClock, engine, processor) -> None:
         (RMSNorm, "forward", "norms"),
         (engine.runner.backend, "write_kv", "kv write"),
         (engine.runner.backend, "attention", "attention"),
+        (engine.runner.backend, "mla_attention", "attention"),
+        (FusedExperts, "forward", "moe experts"),
         (engine.model, "compute_logits", "logits"),
         (SamplingBatch, "for_sequences", "sampling"),
         (engine.sampler, "sample", "sampling"),

@@ -35,7 +35,8 @@ class TorchBackend:
 
     def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
                       kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
-        latent = pages.gather_pages(latent_cache, meta).unsqueeze(2)  # [B, S, 1, L + R]
+        # [B, S, 1, L + R], in the dtype attention runs in: keys and values are views of one conversion.
+        latent = pages.gather_pages(latent_cache, meta).unsqueeze(2).to(math_dtype(q.dtype, q.device))
         return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
 
 
@@ -94,12 +95,15 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         else:
             custom = custom.new_zeros(batch, meta.max_query_len, custom.shape[-1]).index_put_((request, offset), custom)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
-    if return_lse:
+    if return_lse or keys.shape[-1] != values.shape[-1]:
+        # Written out: for the LSE, and for values narrower than keys (MLA), which torch's fused kernel
+        # does not take (its fallback repeats K/V for every head and runs several times slower).
         mask = _layout_mask_of(meta, sliding_window)
         out, lse = _explicit_attention(padded_q.transpose(1, 2), keys, values, mask if custom is None else mask & custom,
-                                       scale)
-        lse = lse.transpose(1, 2)  # [B, max_query_len, H]
-        lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
+                                       scale, with_lse=return_lse)
+        if return_lse:
+            lse = lse.transpose(1, 2)  # [B, max_query_len, H]
+            lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
     else:
         sees_all = uniform and _sees_every_key(meta, sliding_window)
         if custom is not None:
@@ -131,10 +135,11 @@ def _score_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _explicit_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention written out, for the log-sum-exp: ``q [B, H, Q, D]``, ``keys/values [B, Hkv, S, *]``,
-    ``mask [B, Q, S]``; returns ``out [B, H, Q, Dv]`` and ``lse [B, H, Q]``."""
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, *, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention written out: ``q [B, H, Q, D]``, ``keys/values [B, Hkv, S, *]``, ``mask [B, Q, S]``;
+    returns ``out [B, H, Q, Dv]`` and, ``with_lse``, ``lse [B, H, Q]`` (else None). GQA groups the
+    query heads of a KV head as rows of one product, so K/V are never repeated."""
     batch, num_heads, max_query, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
@@ -144,9 +149,10 @@ def _explicit_attention(
     # Rows that see no key at all: zero them instead of producing NaN.
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.matmul(probs.view(batch, num_kv_heads, group * max_query, -1), values)
-    # A row that sees no key gets -inf (logsumexp of nothing), the merge's "contributes nothing".
-    lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)
-    return out.view(batch, num_heads, max_query, -1), lse.view(batch, num_heads, max_query)
+    lse = None
+    if with_lse:  # a row that sees no key gets -inf (logsumexp of nothing), the merge's "contributes nothing"
+        lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1).view(batch, num_heads, max_query)
+    return out.view(batch, num_heads, max_query, -1), lse
 
 
 def _query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdec.backends.base import math_dtype
 from specdec.cache.pool import MLAPool
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, bound_pool
@@ -210,6 +211,25 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(s.kv_lora_rank, heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
         self.o_proj = RowParallelLinear(heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
         self.pool: str | None = None  # bound by the model's kv_pools()
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_weights
+
+    def absorbed_maps(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_uk [H, nope, rank]`` and ``W_uv [H, v, rank]``: per head, ``kv_b_proj``'s rows are the nope
+        key rows then the value rows, each a map from the latent."""
+        s = self.settings
+        w_kv = kv_b.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w_kv[:, : s.qk_nope_head_dim], w_kv[:, s.qk_nope_head_dim :]
+
+    def prepack_weights(self) -> None:
+        """Float32 copies of the absorbed maps for a half type the CPU has no kernels for
+        (:func:`~specdec.backends.base.math_dtype`); :func:`specdec.models.layers.prepack_weights` calls it."""
+        weight = self.kv_b_proj.weight
+        if math_dtype(weight.dtype, weight.device) != weight.dtype:
+            self.absorbed = tuple(w.contiguous() for w in self.absorbed_maps(weight.detach().to(torch.float32)))
+
+    def _apply(self, fn, recurse: bool = True):
+        self.absorbed = None  # moved or cast: the copies no longer match
+        return super()._apply(fn, recurse)
 
     def kv_pool(self, name: str, *, num_layers: int, block_size: int, dtype: torch.dtype) -> MLAPool:
         """An MLA pool of ``num_layers`` layers of this layer's latent rows (an MLA draft can join a
@@ -230,15 +250,15 @@ class DeepseekV3Attention(nn.Module):
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.kv_a_layernorm(compressed), k_pe.squeeze(1)], dim=-1)
 
-        # kv_b_proj rows are, per head, nope key rows then value rows, each a map from the latent.
-        w_kv = self.kv_b_proj.weight.view(num_heads, nope + s.v_head_dim, rank)
-        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        kv_b = self.kv_b_proj.weight  # the copies sit outside autograd: a weight being trained skips them
+        w_uk, w_uv = self.absorbed if self.absorbed and not kv_b.requires_grad else self.absorbed_maps(kv_b)
+        work = w_uk.dtype  # float32 copies round once, as the half product would
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope.to(work), w_uk).to(x.dtype)
         query = torch.cat([q_latent, q_pe], dim=-1)
         out = ctx.attend_mla(pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
         # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
-        values = torch.einsum("thr,hvr->thv", out, w_uv)
+        values = torch.einsum("thr,hvr->thv", out.to(work), w_uv).to(x.dtype)
         return self.o_proj(values.reshape(num_tokens, num_heads * s.v_head_dim))
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdec.backends.base import math_dtype
 from specdec.distributed import parallel_state as ps
 from specdec.models.layers import compute_dtype
 from specdec.models.loader import CheckpointError
@@ -86,6 +87,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
         self.activation = activation
+        self.prepacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_weights
         rows, cols = split_spec(1), split_spec(2)
         self.tp_shards = {
             "gate_up_proj": PartsShard(1, ((intermediate_size, rows), (intermediate_size, rows))),
@@ -112,10 +114,34 @@ class FusedExperts(nn.Module):
         out = weighted.sum(dim=1)
         return ps.all_reduce(self.tp, out) if self.tp.size > 1 else out
 
+    def prepack_weights(self) -> None:
+        """For a half type the CPU has no kernels for (:func:`~specdec.backends.base.math_dtype`), float32
+        copies laid out for ``x @ copy`` (what :func:`specdec.models.layers.prepack_weights` calls)."""
+        weight = self.gate_up_proj
+        if math_dtype(weight.dtype, weight.device) != weight.dtype:
+            self.prepacked = tuple(
+                w.detach().to(torch.float32).transpose(1, 2).contiguous() for w in (self.gate_up_proj, self.down_proj)
+            )
+
+    def _apply(self, fn, recurse: bool = True):
+        self.prepacked = None  # moved or cast: the copies no longer match
+        return super()._apply(fn, recurse)
+
+    def _product(self, x: torch.Tensor, part: int, expert: int | None = None) -> torch.Tensor:
+        """``x`` through the gate/up (``part`` 0) or down (1) weights of every expert (``[E, T, out]``)
+        or of ``expert`` (``[T, out]``); from the float32 copy, when there is one, rounded once."""
+        weight = (self.gate_up_proj, self.down_proj)[part]
+        copy = None if self.prepacked is None or weight.requires_grad else self.prepacked[part]
+        if copy is not None:
+            return torch.matmul(x.to(copy.dtype), copy if expert is None else copy[expert]).to(x.dtype)
+        if expert is not None:
+            return F.linear(x, weight[expert])
+        return torch.matmul(x, weight.transpose(1, 2))
+
     def _every_expert(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``[T * k, H]`` outputs in (token, slot) order, from all ``E`` experts run on all tokens."""
-        gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
-        out = torch.matmul(self.activation(gate_up), self.down_proj.transpose(1, 2))  # [E, T, H]
+        gate_up = self._product(x, 0)  # [E, T, 2I]
+        out = self._product(self.activation(gate_up), 1)  # [E, T, H]
         token = torch.arange(x.shape[0], device=x.device)[:, None]
         return out[experts, token].flatten(0, 1)
 
@@ -131,8 +157,8 @@ class FusedExperts(nn.Module):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                seg = self.activation(F.linear(rows[start : start + n], self.gate_up_proj[e]))
-                out_rows[start : start + n] = F.linear(seg, self.down_proj[e])
+                seg = self.activation(self._product(rows[start : start + n], 0, e))
+                out_rows[start : start + n] = self._product(seg, 1, e)
                 start += n
         unsorted = torch.empty_like(out_rows)
         unsorted[order] = out_rows

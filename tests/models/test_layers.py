@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from specdec.backends.base import math_dtype
 from specdec.models.layers import PackedLinear, RMSNorm, RotaryEmbedding
 from specdec.models.loader import CheckpointError
 from specdec.models.weights import load_named_weights
@@ -90,7 +91,6 @@ def test_cpu_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkp
     """load_model prepacks every Linear and the LM head on the CPU in float32 and bfloat16 (a bf16 weight
     as a float32 copy where oneDNN has no bf16 GEMMs); the products agree with plain F.linear to
     rounding, and a cast to float64 runs unpacked, exactly."""
-    from specdec.backends.base import math_dtype
     from specdec.models.layers import Linear
     from specdec.models.loader import load_model
 
@@ -114,3 +114,24 @@ def test_cpu_models_serve_from_prepacked_weights_and_casts_drop_them(tiny_checkp
     model.double()
     assert all(m.prepacked is None for m in linears) and model._prepacked_head is None
     assert torch.equal(model.compute_logits(x.double()), torch.nn.functional.linear(x.double(), head.double()))
+
+
+@pytest.mark.skipif(math_dtype(torch.bfloat16, torch.device("cpu")) != torch.float32,
+                    reason="oneDNN has bf16 kernels on this CPU: bf16 weights serve as they are")
+def test_a_bf16_mla_moe_model_serves_its_einsums_and_experts_from_float32_copies(tiny_checkpoint):
+    """Where the CPU has no bf16 kernels, load_model gives MLA's absorbed maps and the MoE experts float32
+    copies of their bf16 weights (beside every Linear's); a cast drops them."""
+    from specdec.models.deepseek_v3 import DeepseekV3Attention
+    from specdec.models.loader import load_model
+    from specdec.models.moe import FusedExperts
+
+    model = load_model(tiny_checkpoint("deepseek_v3"), dtype=torch.bfloat16)
+    attention = [m for m in model.modules() if isinstance(m, DeepseekV3Attention)]
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert attention and experts
+    for m in attention:
+        for copy, weight in zip(m.absorbed, m.absorbed_maps(m.kv_b_proj.weight)):
+            assert copy.dtype == torch.float32 and torch.equal(copy, weight.float())
+    assert all(m.prepacked is not None for m in experts)
+    model.double()
+    assert all(m.absorbed is None for m in attention) and all(m.prepacked is None for m in experts)

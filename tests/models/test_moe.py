@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specdec.backends.base import math_dtype
 from specdec.models.moe import FusedExperts, sigmoid_topk_routing
 
 
@@ -44,3 +45,23 @@ def test_the_two_schedules_agree_and_the_threshold_picks_them():
     torch.testing.assert_close(experts._every_expert(x, chosen), experts._routed_rows(x, chosen), rtol=1e-12, atol=1e-12)
     assert 6 * 4 <= FusedExperts.DENSE_MAX_ROWS  # this batch runs dense...
     assert 256 > FusedExperts.DENSE_MAX_ROWS  # ...and a 256-expert MoE never does, even for one token
+
+
+@pytest.mark.skipif(math_dtype(torch.bfloat16, torch.device("cpu")) != torch.float32,
+                    reason="oneDNN has bf16 kernels on this CPU: bf16 experts run in bf16")
+@pytest.mark.parametrize("num_tokens", [3, 17])  # the dense schedule, the routed one
+def test_half_experts_without_half_kernels_serve_from_float32_copies(num_tokens):
+    """prepack_weights keeps float32 copies of bf16 experts where the CPU has no bf16 kernels; both
+    schedules read them and agree with the bf16 products to bf16 rounding; a cast drops them."""
+    experts = make_experts(4).bfloat16()
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 16, generator=gen).bfloat16()
+    weights, chosen = sigmoid_topk_routing(torch.randn(num_tokens, 4, generator=gen), torch.zeros(4), 2)
+    with torch.inference_mode():
+        plain = experts(x, chosen, weights)
+        experts.prepack_weights()
+        assert all(c.dtype == torch.float32 for c in experts.prepacked)
+        packed = experts(x, chosen, weights)
+    torch.testing.assert_close(packed, plain, rtol=2e-2, atol=2e-2)
+    experts.float()
+    assert experts.prepacked is None

@@ -347,7 +347,9 @@ class LLMEngine:
 
     def _forward(self, layout: StepLayout, tokens: list[list[int]]):
         """The target's forward over the step's rows, and the logits of its verify rows."""
-        output = self.runner.run(layout, tokens, self.aux_layer_ids)
+        # Aux layers only feed proposers keeping draft state: none is kept for dormant requests.
+        keeping = not all(map(self.draft_counts.is_dormant, layout.requests))
+        output = self.runner.run(layout, tokens, self.aux_layer_ids if keeping else ())
         return output, self.model.compute_logits(output.hidden_states[layout.verify_rows])
 
     def _choose_drafts(self, seqs: list[EngineSequence], caps: list[int], base_rows: int) -> list[int]:
@@ -424,6 +426,7 @@ class LLMEngine:
             self.proposer.on_step(StepFeedback(
                 seqs, layout, num_accepted, output, tuple(s.seq_id for s in finished), preempted,
                 cache_finished=self.prefix.enabled,
+                dormant=frozenset(s.seq_id for s in seqs if self.draft_counts.is_dormant(s.seq_id)),
             ))
             if any(layout.num_drafts):
                 self.spec_stats.observe(layout.num_drafts, num_accepted)

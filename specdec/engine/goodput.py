@@ -21,8 +21,15 @@ tokens per second:
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
 which the rate peaked (a request's drafts are always a prefix of its chain). Zero drafts for everyone
 is a valid answer. It is lossless by construction: only
-how many drafts are verified changes, never how they are verified. A request left without drafts
-gets one again after :data:`PROBE_AFTER_STEPS` steps, so its estimate can recover.
+how many drafts are verified changes, never how they are verified.
+
+A request left without drafts for :data:`DORMANT_AFTER_STEPS` steps in a row goes *dormant*: it gets
+no drafts again, and the engine tells the proposer (``StepFeedback.dormant``) so that it stops keeping
+the request's draft state. Keeping an EAGLE3 head ready costs every step whether it drafts or not (the
+target captures its aux layers, the proposer keeps their fused states) and resuming costs a catch-up
+over every token missed; a load at which drafts do not pay would otherwise make an adaptive engine
+slower than one that never speculates. Requests admitted later start afresh, so speculation comes back
+when the load falls.
 
 Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
 which every rank shares, and the cost curves are the driver's (sent with each step's message).
@@ -41,8 +48,8 @@ import torch
 from specdec.cache.paged_cache import KVCacheError
 from specdec.runtime.layout import StepLayout
 
-# A request drafted for nothing this many steps in a row gets one draft, to measure it again.
-PROBE_AFTER_STEPS = 16
+# A request given no drafts this many steps in a row gets none again (it goes dormant).
+DORMANT_AFTER_STEPS = 16
 # Weight (in observations) of the engine-wide rate in a request's estimate.
 PRIOR_WEIGHT = 4.0
 # Before any draft is verified: the conditional acceptance assumed at every position.
@@ -175,6 +182,10 @@ class FixedDrafts:
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         pass
 
+    def is_dormant(self, request: Hashable) -> bool:
+        """Whether ``request`` will get no drafts again (its draft state need not be kept)."""
+        return False
+
     def forget(self, request: Hashable) -> None:
         pass
 
@@ -202,7 +213,8 @@ class GoodputController(FixedDrafts):
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
-        self._idle: dict[Hashable, int] = {}  # steps since a request last had a draft
+        self._idle: dict[Hashable, int] = {}  # steps in a row a request has had no drafts
+        self._dormant: set[Hashable] = set()
         self._drafted: set[Hashable] = set()  # the requests given drafts in the last step
         self._steady = False  # whether every request drafting now also drafted in the step before
         self._laps: dict[str, float] = {}
@@ -212,6 +224,7 @@ class GoodputController(FixedDrafts):
     def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
         """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose forward runs
         ``base_rows`` rows before drafts."""
+        caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
         prior = self.acceptance.engine_rates()
         gains = []  # per request: the probability that each of its drafts 1..cap is accepted
         for request, cap in zip(requests, caps):
@@ -250,15 +263,15 @@ class GoodputController(FixedDrafts):
         for i in taken[:best_taken]:
             counts[i] += 1
 
-        # Probe the requests left without drafts for long.
-        for i, (request, cap) in enumerate(zip(requests, caps)):
-            if counts[i] or not cap:
+        # Requests left without drafts for long go dormant.
+        for request, cap, count in zip(requests, caps, counts):
+            if count or not cap:
                 self._idle.pop(request, None)
                 continue
-            idle = self._idle.get(request, 0) + 1
-            if idle >= PROBE_AFTER_STEPS:
-                counts[i], idle = 1, 0
-            self._idle[request] = idle
+            idle = self._idle[request] = self._idle.get(request, 0) + 1
+            if idle >= DORMANT_AFTER_STEPS:
+                self._dormant.add(request)
+                del self._idle[request]
         drafted = {request for request, c in zip(requests, counts) if c}
         self._steady, self._drafted = drafted <= self._drafted, drafted
         return counts
@@ -293,10 +306,14 @@ class GoodputController(FixedDrafts):
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
 
+    def is_dormant(self, request: Hashable) -> bool:
+        return request in self._dormant
+
     def forget(self, request: Hashable) -> None:
         """``request`` finished."""
         self.acceptance.forget(request)
         self._idle.pop(request, None)
+        self._dormant.discard(request)
 
     # ----- lockstep under tensor parallelism -----
     def cost_state(self) -> tuple:

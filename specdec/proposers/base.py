@@ -97,7 +97,10 @@ class StepFeedback:
     freed (a finished one's right after this call). A step may release requests without running a
     forward (``layout`` and ``target_output`` None, ``seqs`` empty). ``cache_finished``: the engine
     publishes the finished requests' pages to the prefix cache after this call, so a proposer whose
-    rows trail the verified tokens may complete them now.
+    rows trail the verified tokens may complete them now. ``dormant``: requests of the step that will
+    get no drafts again (the adaptive controller gave up on them); a proposer may stop keeping their
+    state (the target captured no aux layers when every request of the step is dormant), and their
+    pages stay until they are released.
     """
 
     seqs: Sequence["EngineSequence"] = ()
@@ -107,6 +110,7 @@ class StepFeedback:
     finished: Sequence[Hashable] = ()
     preempted: Sequence[Hashable] = ()
     cache_finished: bool = False
+    dormant: frozenset = frozenset()
 
     @property
     def released(self) -> tuple[Hashable, ...]:

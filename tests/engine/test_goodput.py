@@ -3,11 +3,12 @@
 - Its parts: the cost curves (interpolation, the monotone bound, extrapolation), the acceptance
   estimates (conditional per position, shrunk towards the engine-wide rate), and its choices on
   planted costs and acceptance: all drafts when rows are free, none when drafts cost more than they
-  bring, more drafts for the requests that are accepted more, a probe for a request left idle.
+  bring, more drafts for the requests that are accepted more, dormancy for a request left idle.
 - Through the engine, in float64: greedy output with ``adaptive`` equals plain output token for token
   for every kind of proposer, under preemption; the choices are counted in ``num_drafts_histogram``.
   Lossless by construction whatever the controller chooses, so a planted controller choosing
-  arbitrary counts per request and step is held to the same equality.
+  arbitrary counts per request and step is held to the same equality. Dormant requests cost what
+  they cost without speculation: no aux layers captured, no draft state kept.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.engine.goodput import PROBE_AFTER_STEPS, AcceptanceEstimates, CostCurve, GoodputController
+from specdec.engine.goodput import DORMANT_AFTER_STEPS, AcceptanceEstimates, CostCurve, GoodputController
 from specdec.zoo import zoo_path
 
 
@@ -121,10 +122,18 @@ def test_a_step_s_parts_are_timed_into_their_curves():
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
 
 
-def test_a_request_left_without_drafts_is_probed():
-    controller = _controller(3, lambda rows: 0.01 * rows, lambda n: 0.01 * n, {"r": 0})
-    chosen = [controller.choose(["r"], [3], base_rows=1)[0] for _ in range(PROBE_AFTER_STEPS)]
-    assert chosen == [0] * (PROBE_AFTER_STEPS - 1) + [1]
+def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():
+    controller = _controller(3, lambda rows: 0.01 + 0.001 * rows, lambda n: 0.0005 * n, {"r": 0, "s": 3})
+    for _ in range(DORMANT_AFTER_STEPS - 1):
+        assert controller.choose(["r", "s"], [3, 3], base_rows=2)[0] == 0
+    assert not controller.is_dormant("r")
+    controller.choose(["r", "s"], [3, 3], base_rows=2)
+    assert controller.is_dormant("r") and not controller.is_dormant("s")
+    for _ in range(40):  # even where drafting it would pay now, it is not offered drafts again
+        controller.observe_verified("s", 3, 3)
+    assert controller.choose(["r"], [3], base_rows=1) == [0]
+    controller.forget("r")  # finished: the id starts afresh
+    assert not controller.is_dormant("r")
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -192,3 +201,39 @@ def test_adaptive_eagle3_on_the_zoo_equals_plain():
         if planted:
             llm.engine.draft_counts = PlantedChoices(3)
         assert [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
+
+
+class PlantedDormancy(PlantedChoices):
+    """Like :class:`PlantedChoices`, and sends a random tenth of the requests dormant each step."""
+
+    def choose(self, requests, caps, base_rows):
+        self._dormant.update(r for r in requests if self._random.random() < 0.1)
+        return [0 if r in self._dormant else self._random.randint(0, cap) for r, cap in zip(requests, caps)]
+
+
+def test_dormant_requests_keep_no_draft_state_and_outputs_stay_plain():
+    target, draft = str(zoo_path("llama-tiny")), str(zoo_path("llama-tiny-eagle3"))
+    prompts = [[11, 12, 13, 14, 15, 16], [200, 201, 202], [7] * 12, [300, 301, 302, 303]]
+    expected = [o.token_ids for o in LLM(target, dtype="float64", kv_cache_memory=1 << 22).generate(
+        prompts, PARAMS, use_tqdm=False)]
+    llm = LLM(target, dtype="float64", kv_cache_memory=1 << 22, speculative_config={
+        "method": "eagle3", "model": draft, "num_speculative_tokens": 3, "adaptive": True})
+    engine = llm.engine
+    engine.draft_counts = PlantedDormancy(3)
+    captured, run = [], engine.runner.run
+
+    def recording_run(layout, tokens, aux_layer_ids):
+        captured.append(bool(aux_layer_ids))
+        return run(layout, tokens, aux_layer_ids)
+
+    kept, append = [], engine.proposer._append_hidden
+
+    def recording_append(request, start, hidden):
+        kept.append(engine.draft_counts.is_dormant(request))
+        return append(request, start, hidden)
+
+    engine.runner.run, engine.proposer._append_hidden = recording_run, recording_append
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
+    assert True in captured and False in captured  # steps whose requests were all dormant captured nothing
+    assert kept and not any(kept)  # states were kept, never a dormant request's
+    assert llm.spec_stats().num_drafts > 0

@@ -367,8 +367,8 @@ class Eagle3Proposer(ModelProposer):
 
         With ``feedback.cache_finished`` a finished request's draft rows are completed first (they
         trail its verified tokens by a step), so its pages reach the prefix cache whole."""
-        finishing = [s for s in feedback.seqs if s.is_finished and s.seq_id in self._states] \
-            if feedback.cache_finished and self._completes_finished else []
+        finishing = [s for s in feedback.seqs if s.is_finished and s.seq_id in self._states
+                     and s.seq_id not in feedback.dormant] if feedback.cache_finished and self._completes_finished else []
         if self.draft is not None and feedback.layout is not None:
             self._keep_hidden(feedback, {s.seq_id for s in finishing})
         if finishing:
@@ -383,6 +383,8 @@ class Eagle3Proposer(ModelProposer):
         take: list[tuple[Hashable, int, int]] = []  # (request, first position, rows)
         index: list[int] = []
         for i, (seq, valid) in enumerate(zip(feedback.seqs, layout.kept_rows(feedback.num_accepted))):
+            if seq.seq_id in feedback.dormant:
+                continue  # it drafts no more: its fused states would never be read
             if seq.is_finished:
                 if seq.seq_id not in finishing:
                     continue

@@ -15,8 +15,9 @@ tokens per second:
   (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates);
 - seconds: the target forward over the step's rows, plus the draft chain (its depth times the
   seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
-  sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s: the
-  target's measured when the engine starts (forwards of growing size), all kept current by every step.
+  sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s measured
+  by every step; the target's shape at sizes not run yet comes from forwards of growing size timed
+  when the engine starts, at the level the steps measure.
 
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
 which the rate peaked (a request's drafts are always a prefix of its chain). Zero drafts for everyone
@@ -37,7 +38,6 @@ which every rank shares, and the cost curves are the driver's (sent with each st
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import time
 from typing import Callable, Hashable, Sequence
@@ -62,26 +62,32 @@ ENGINE_DECAY = 0.995
 class CostCurve:
     """Seconds against a size (rows in a forward, requests in a draft forward).
 
-    Each measured size keeps an exponential moving average of what was observed there. Reading
-    assumes that more work never takes less time: a size costs at most what any larger measured
-    size costs (so one slow outlier, a step that met a busy machine, does not make its size look
-    dearer than bigger ones); between sizes it interpolates linearly, past the ends it follows the
-    nearest segment (never below zero)."""
+    Two kinds of points. *Observed* ones are what the running engine measured at a size, each an
+    exponential moving average. *Calibrated* ones (:meth:`calibrate`) were timed before serving, on
+    throwaway requests with no context, so they have the right shape but not the right level: where a
+    size has no observation of its own, its calibrated cost is scaled by how the observations compare
+    with the calibration where both exist (the median ratio). So a load the engine has never run at
+    (a step with more drafts than any so far) is priced from the calibrated shape at today's level.
+
+    Reading assumes that more work never takes less time: a size costs at most what any larger size
+    costs (so one slow outlier, a step that met a busy machine, does not make its size look dearer than
+    bigger ones); between sizes it interpolates linearly, past the ends it follows the nearest segment
+    (never below zero)."""
 
     def __init__(self, smoothing: float = 0.25):
         self.smoothing = smoothing
-        self.points: dict[int, float] = {}
-        self._sizes: list[int] = []
-        self._bounded: list[float] | None = []  # per sorted size: the least cost of it and every larger size
+        self.points: dict[int, float] = {}  # observed
+        self.calibrated: dict[int, float] = {}
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and bounded costs, when read
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.points.get(size)
-        if old is None:
-            bisect.insort(self._sizes, size)
-            self.points[size] = seconds
-        else:
-            self.points[size] = old + self.smoothing * (seconds - old)
-        self._bounded = None
+        self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._curve = None
+
+    def calibrate(self, size: int, seconds: float) -> None:
+        self.calibrated[size] = seconds
+        self._curve = None
 
     def __call__(self, size: int) -> float:
         return self.over(size, size)[0]
@@ -89,9 +95,9 @@ class CostCurve:
     def over(self, first: int, last: int) -> list[float]:
         """The costs of sizes ``first..last``, in one vectorised reading (a step's choice reads many)."""
         sizes = np.arange(first, last + 1, dtype=np.float64)
-        if not self._sizes:
+        xs, ys = self._read()
+        if not len(xs):
             return [0.0] * len(sizes)
-        xs, ys = np.array(self._sizes, dtype=np.float64), np.array(self._costs())
         if len(xs) == 1:
             return (ys[0] * sizes / xs[0]).tolist()  # proportional until a second point exists
         costs = np.interp(sizes, xs, ys)
@@ -100,22 +106,28 @@ class CostCurve:
         costs = np.where(sizes < xs[0], below, np.where(sizes > xs[-1], above, costs))
         return np.maximum(costs, 0.0).tolist()
 
-    def _costs(self) -> list[float]:
-        if self._bounded is None:
-            bounded, least = [], float("inf")
-            for size in reversed(self._sizes):
-                least = min(least, self.points[size])
-                bounded.append(least)
-            self._bounded = bounded[::-1]
-        return self._bounded
+    def level(self) -> float:
+        """How observed costs compare with calibrated ones at the sizes both have (1 when none do)."""
+        both = [self.points[n] / self.calibrated[n] for n in self.points.keys() & self.calibrated.keys()
+                if self.calibrated[n] > 0]
+        return float(np.median(both)) if both else 1.0
 
-    def state(self) -> tuple[tuple[int, float], ...]:
-        return tuple(self.points.items())
+    def _read(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._curve is None:
+            scale = self.level()
+            merged = {n: c * scale for n, c in self.calibrated.items()} | self.points
+            sizes = sorted(merged)
+            costs = np.minimum.accumulate([merged[n] for n in reversed(sizes)])[::-1] if sizes else []
+            self._curve = np.array(sizes, dtype=np.float64), np.array(costs, dtype=np.float64)
+        return self._curve
 
-    def load(self, state: tuple[tuple[int, float], ...]) -> None:
-        self.points = dict(state)
-        self._sizes = sorted(self.points)
-        self._bounded = None
+    def state(self) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+        return tuple(self.points.items()), tuple(self.calibrated.items())
+
+    def load(self, state) -> None:
+        points, calibrated = state
+        self.points, self.calibrated = dict(points), dict(calibrated)
+        self._curve = None
 
 
 class AcceptanceEstimates:
@@ -368,7 +380,7 @@ def calibrate(
         finally:
             for request in ids:
                 free(request)
-        controller.target_seconds.observe(layout.num_rows, min(seconds[1:]))
+        controller.target_seconds.calibrate(layout.num_rows, min(seconds[1:]))
         measured = layout.num_rows
         rows *= 2
 

@@ -43,6 +43,22 @@ def test_cost_curve_interpolates_bounds_outliers_and_extrapolates():
     assert [copy(n) for n in (1, 8, 12, 40)] == [curve(n) for n in (1, 8, 12, 40)]
 
 
+def test_calibration_gives_the_shape_and_steps_the_level():
+    curve = CostCurve()
+    for rows, seconds in ((8, 1.0), (32, 2.0), (128, 6.0)):
+        curve.calibrate(rows, seconds)  # context-free forwards: too cheap
+    assert curve(128) == 6.0 and curve.level() == 1.0
+    curve.observe(32, 5.0)  # the engine's own 32-row steps cost 2.5x the calibration
+    assert curve.level() == 2.5
+    assert curve(128) == pytest.approx(15.0)  # never run at 128 rows: the calibrated shape, scaled
+    assert curve(32) == 5.0 and curve(8) == pytest.approx(2.5)
+    curve.observe(128, 12.0)  # a size measured for itself speaks for itself
+    assert curve(128) == 12.0 and curve.level() == pytest.approx(2.25)
+    copy = CostCurve()
+    copy.load(curve.state())
+    assert [copy(n) for n in (8, 20, 128, 300)] == [curve(n) for n in (8, 20, 128, 300)]
+
+
 def test_acceptance_estimates_are_conditional_and_shrunk_to_the_engine_rate():
     estimates = AcceptanceEstimates(3, prior=0.5)
     assert estimates.rates("a") == [0.5, 0.5, 0.5]

@@ -1,15 +1,18 @@
-"""Verifiers, selected by name: ``greedy`` and ``rejection`` (lossless speculative sampling)."""
+"""Verifiers, selected by name: ``greedy``, ``coupled`` (sampling that reproduces plain sampling token
+for token, for deterministic drafts) and ``rejection`` (lossless in law, for drafts sampled from q)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from specdec.verifiers.base import PAD_TOKEN_ID, Verifier, VerifyResult
+from specdec.verifiers.coupled import CoupledVerifier
 from specdec.verifiers.greedy import GreedyVerifier
 from specdec.verifiers.rejection import RejectionSampler
 
 _VERIFIERS: dict[str, Callable[[], Verifier]] = {
     "greedy": GreedyVerifier,
+    "coupled": CoupledVerifier,
     "rejection": RejectionSampler,
 }
 
@@ -32,6 +35,7 @@ def get_verifier(name: str) -> Verifier:
 
 __all__ = [
     "PAD_TOKEN_ID",
+    "CoupledVerifier",
     "GreedyVerifier",
     "RejectionSampler",
     "Verifier",

@@ -116,6 +116,17 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def accept_matching(layout: VerifyLayout, chosen: torch.Tensor) -> VerifyResult:
+    """Keep drafts while they equal the target's own choice at their row (``chosen``: one token per
+    flattened target row, e.g. the argmax or the plain sampler's draw); then emit the choice of the
+    first row not matched (a correction, or the bonus after every draft)."""
+    per_slot = chosen[layout.row_index]  # [B, k + 1]
+    k = layout.drafts.shape[1]
+    num_accepted = accepted_prefix(layout.valid_draft & (layout.drafts == per_slot[:, :k]))
+    final = per_slot.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return assemble(layout.drafts, num_accepted, final)
+
+
 def assemble(drafts: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> VerifyResult:
     """Emitted tokens: accepted drafts, then ``final_token`` at slot ``num_accepted``, then -1."""
     num_req, k = drafts.shape

@@ -6,14 +6,14 @@ import torch
 
 from specdec.sampling.processing import greedy_ids
 from specdec.sampling.sampler import SamplingBatch
-from specdec.verifiers.base import VerifyResult, accepted_prefix, assemble, check_inputs
+from specdec.verifiers.base import VerifyResult, accept_matching, check_inputs
 
 
 class GreedyVerifier:
     """Accept draft j while it equals argmax of target row j; then emit the target's argmax.
 
     Every request is treated as greedy whatever its sampling parameters (``batch`` may be None);
-    use ``RejectionSampler`` for batches that mix greedy and sampled requests.
+    ``CoupledVerifier`` and ``RejectionSampler`` treat greedy rows exactly like this and sample the rest.
     """
 
     name = "greedy"
@@ -27,8 +27,4 @@ class GreedyVerifier:
         batch: SamplingBatch | None = None,
     ) -> VerifyResult:
         layout = check_inputs(target_logits, draft_token_ids, num_drafts, draft_probs, batch)
-        best = greedy_ids(target_logits)[layout.row_index]  # [B, k + 1]
-        k = draft_token_ids.shape[1]
-        num_accepted = accepted_prefix(layout.valid_draft & (layout.drafts == best[:, :k]))
-        final = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
-        return assemble(layout.drafts, num_accepted, final)
+        return accept_matching(layout, greedy_ids(target_logits))

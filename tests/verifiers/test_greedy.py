@@ -72,7 +72,7 @@ def test_input_errors_name_the_problem():
 
 
 def test_registry():
-    assert available_verifiers() == ["greedy", "rejection"]
+    assert available_verifiers() == ["coupled", "greedy", "rejection"]
     assert get_verifier("greedy").name == "greedy"
     with pytest.raises(ValueError, match="greedy"):
         get_verifier("typical")

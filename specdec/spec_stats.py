@@ -10,6 +10,10 @@
 - ``num_drafts_histogram[j]``: (request, step) pairs that could draft and were given j drafts
   (j = 0..k): k each without ``adaptive``, the controller's choices with it (a proposer may still
   return fewer, which ``num_draft_tokens`` counts).
+- ``num_drafts_by_verifier``: drafts (as in ``num_drafts``) by the name of the verifier that checked
+  them: ``greedy`` (all-greedy steps), ``coupled`` (deterministic drafts in a sampling step: the output
+  is plain sampling's, token for token), ``rejection`` (drafts with a distribution: the output follows
+  the target's law), or a verifier passed in by name. Its values add up to ``num_drafts``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ def _non_negative_list(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, list):
         raise ValueError(f"SpecStats.{attr.name} must be a list of ints, got {type(value).__name__}")
     for v in value:
+        _non_negative(_inst, attr, v)
+
+
+def _named_counts(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        raise ValueError(f"SpecStats.{attr.name} must be a dict of name -> int, got {value!r}")
+    for v in value.values():
         _non_negative(_inst, attr, v)
 
 
@@ -58,6 +69,7 @@ class SpecStats:
     num_accepted_tokens: int = attrs.field(default=0, validator=_non_negative)
     accepted_per_position: list[int] = attrs.field(factory=list, validator=_non_negative_list)
     num_drafts_histogram: list[int] = attrs.field(factory=list, validator=_non_negative_list)
+    num_drafts_by_verifier: dict[str, int] = attrs.field(factory=dict, validator=_named_counts)
 
     @classmethod
     def for_k(cls, num_speculative_tokens: int) -> "SpecStats":
@@ -71,6 +83,11 @@ class SpecStats:
             if cap:
                 _grow(self.num_drafts_histogram, count + 1)
                 self.num_drafts_histogram[count] += 1
+
+    def count_verified(self, verifier: str, num_drafts: int) -> None:
+        """Add ``num_drafts`` drafts (requests with drafts in one step) checked by the verifier called ``verifier``."""
+        if num_drafts:
+            self.num_drafts_by_verifier[verifier] = self.num_drafts_by_verifier.get(verifier, 0) + num_drafts
 
     def observe(self, num_drafts_per_request: Counts, num_accepted_per_request: Counts) -> None:
         """Add one step: per request, how many draft tokens it had and how many were accepted."""
@@ -102,12 +119,15 @@ class SpecStats:
             _grow(mine, len(theirs))
             for i, count in enumerate(theirs):
                 mine[i] += count
+        for verifier, count in other.num_drafts_by_verifier.items():
+            self.count_verified(verifier, count)
 
     def reset(self) -> None:
         """Zero every counter (the lists keep their lengths)."""
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * len(self.accepted_per_position)
         self.num_drafts_histogram = [0] * len(self.num_drafts_histogram)
+        self.num_drafts_by_verifier = {}
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -134,6 +154,7 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "num_drafts_histogram": list(self.num_drafts_histogram),
+            "num_drafts_by_verifier": dict(self.num_drafts_by_verifier),
         }
 
 

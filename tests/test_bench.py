@@ -407,5 +407,7 @@ def test_each_temperature_gets_its_rows_and_the_drafts_chosen_are_shown(monkeypa
         shares = " ".join(f"{j}:{c / sum(histogram) * 100:.0f}%" for j, c in enumerate(histogram))
         line = next(x for x in table if x.startswith(f"T={t}: acceptance per position: "))
         assert line.endswith(f"; k chosen: {shares}")
+        if entry["speculative"]["spec_stats"]["num_drafts"]:  # drafts drawn from q at T=0.7: rejection sampling
+            assert f"; verifier: {'greedy' if t == '0' else 'rejection'};" in line
     assert f"T=0: outputs identical to the baseline: {n}/{n}" in table
     assert any(x.startswith(f"T=0.7: outputs identical to the baseline: ") and "sampled" in x for x in table)

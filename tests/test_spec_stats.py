@@ -32,6 +32,7 @@ def test_empty_and_reset():
         "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
         "accepted_per_position": [0, 0, 0], "acceptance_per_position": [0.0, 0.0, 0.0],
         "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0, "num_drafts_histogram": [0, 0, 0, 0],
+        "num_drafts_by_verifier": {},
     }
     stats.observe(np.array([0, 0]), np.array([0, 0]))  # no drafts: nothing counts
     assert stats.num_drafts == 0
@@ -40,6 +41,9 @@ def test_empty_and_reset():
     stats.count_chosen([3, 1, 0], [3, 3, 0])  # the third could not draft: not counted
     stats.count_chosen([0], [3])
     assert stats.num_drafts_histogram == [1, 1, 0, 1]
+    stats.count_verified("coupled", 2)
+    stats.count_verified("rejection", 0)  # nothing verified: no entry
+    assert stats.num_drafts_by_verifier == {"coupled": 2}
     stats.reset()
     assert stats == SpecStats(accepted_per_position=[0] * 5, num_drafts_histogram=[0] * 4)
 
@@ -50,7 +54,11 @@ def test_add_merges_positions_and_histograms():
     mine.count_chosen([2], [2])
     theirs.observe([4], [4])
     theirs.count_chosen([4, 0], [4, 4])
+    mine.count_verified("coupled", 1)
+    theirs.count_verified("coupled", 2)
+    theirs.count_verified("rejection", 1)
     mine.add(theirs)
+    assert mine.num_drafts_by_verifier == {"coupled": 3, "rejection": 1}
     assert mine.accepted_per_position == [2, 1, 1, 1]
     assert mine.num_drafts_histogram == [1, 0, 1, 0, 1]
     assert mine.num_drafts == 2 and mine.num_accepted_tokens == 5
@@ -66,3 +74,5 @@ def test_bad_input():
         stats.observe([2.5], [1])
     with pytest.raises(ValueError, match="num_drafts"):
         SpecStats(num_drafts=-1)
+    with pytest.raises(ValueError, match="num_drafts_by_verifier"):
+        SpecStats(num_drafts_by_verifier={"coupled": -1})

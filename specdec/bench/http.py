@@ -51,8 +51,9 @@ def read_counters(base_url: str) -> dict[str, float]:
 
 
 def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int) -> dict[str, Any]:
-    """``SpecStats.as_dict()``'s figures from two readings of the counters (``num_drafts_histogram`` is
-    None: the server's ``/metrics`` does not count the drafts chosen per step)."""
+    """``SpecStats.as_dict()``'s figures from two readings of the counters (``num_drafts_histogram`` and
+    ``num_drafts_by_verifier`` are None: the server's ``/metrics`` counts neither the drafts chosen per
+    step nor which verifier checked them)."""
     drafts, drafted, accepted = (after.get(n, 0) - before.get(n, 0) for n in SPEC_COUNTERS)
     per_position = [int(after.get(f"{PER_POSITION}[{i}]", 0) - before.get(f"{PER_POSITION}[{i}]", 0)) for i in range(k)]
     return {
@@ -64,6 +65,7 @@ def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int
         "mean_acceptance_length": 1.0 + (accepted / drafts if drafts else 0.0),
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "num_drafts_histogram": None,
+        "num_drafts_by_verifier": None,
     }
 
 

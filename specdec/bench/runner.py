@@ -132,8 +132,9 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     request, in run order (multi-turn: conversation by conversation): ``arrival_s``, ``prompt_len``,
     ``output_len``, ``ttft_ms``, ``e2el_ms``, ``tpot_ms``, ``itl_ms``, ``tokens_per_emission``);
     ``deltas`` (see :func:`deltas`); ``identical_outputs``: how many requests produced the same
-    tokens in both runs (greedy: all of them in float64, lower precisions may differ by rounding;
-    sampled runs draw differently with speculation, so they need not match).
+    tokens in both runs (greedy, and sampled with deterministic drafts, which the coupled verifier
+    checks: all of them in float64, lower precisions may differ by rounding; sampled with drafts drawn
+    from q, rejection sampling keeps the target's law but draws differently, so they need not match).
     """
     say = progress or (lambda _msg: None)
     spec = config.speculative_config  # parsed when the config was built: a bad one fails before any run

@@ -112,14 +112,21 @@ def format_table(result: dict[str, Any]) -> str:
         st = spec_run["spec_stats"]
         per_position = ", ".join(f"{a:.3f}" for a in st["acceptance_per_position"])
         chosen = _k_chosen(st)
+        verifiers = sorted(st.get("num_drafts_by_verifier") or {})  # None over HTTP
         lines.append(
             f"{at}acceptance per position: {per_position}; "
             f"draft acceptance rate {st['draft_acceptance_rate'] * 100:.1f}%; "
             f"mean acceptance length {st['mean_acceptance_length']:.2f} ({st['num_drafts']} drafts)"
-            + (f"; {chosen}" if chosen else "")
+            + (f"; verifier: {', '.join(verifiers)}" if verifiers else "") + (f"; {chosen}" if chosen else "")
         )
         if entry["identical_outputs"] is not None:
-            sampled = " (sampled: speculation draws differently, only greedy outputs must match)" if t else ""
+            sampled = ""
+            if t and "rejection" in verifiers:
+                sampled = " (sampled, rejection sampling: the target's law, not plain sampling's tokens)"
+            elif t and verifiers:
+                sampled = " (sampled, deterministic drafts: the coupled verifier gives plain sampling's tokens)"
+            elif t:  # nothing drafted, or over HTTP, where the verifiers are not counted
+                sampled = " (sampled: plain sampling's tokens with deterministic drafts, the law with drafts from q)"
             lines.append(f"{at}outputs identical to the baseline: {entry['identical_outputs']}/{s['num_prompts']}"
                          f"{sampled}")
     return "\n".join(lines)

@@ -48,6 +48,7 @@ from specdec.sampling.sampler import Sampler, SamplingBatch
 from specdec.spec_stats import SpecStats
 from specdec.validation import is_int
 from specdec.verifiers.base import Verifier
+from specdec.verifiers.coupled import CoupledVerifier
 from specdec.verifiers.greedy import GreedyVerifier
 from specdec.verifiers.rejection import RejectionSampler
 
@@ -72,9 +73,11 @@ class LLMEngine:
     request emitted, its drafts, which finished); :meth:`generate` runs a list to the end.
 
     - ``sampler``: draws tokens when a step has no drafts (default :class:`Sampler`).
-    - ``verifier``: checks drafts; by default :class:`GreedyVerifier` for all-greedy steps and the
-      lossless :class:`RejectionSampler` when any request samples (it treats greedy rows exactly
-      like the greedy verifier, so per-request mixes are fine).
+    - ``verifier``: checks drafts; by default :class:`GreedyVerifier` for all-greedy steps, and when
+      any request samples :class:`CoupledVerifier` for deterministic drafts (no ``draft_probs``: the
+      output is plain sampling's, token for token) or the lossless :class:`RejectionSampler` for drafts
+      drawn from a distribution (both treat greedy rows exactly like the greedy verifier, so
+      per-request mixes are fine). ``spec_stats.num_drafts_by_verifier`` counts which verified what.
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
     - ``enable_prefix_caching``: reuse cached pages of identical prefixes (:mod:`specdec.engine.prefix_caching`).
@@ -110,6 +113,7 @@ class LLMEngine:
         self.proposer = proposer
         self.verifier = verifier
         self._greedy_verifier = GreedyVerifier()
+        self._coupled = CoupledVerifier(self.sampler)
         self._rejection = RejectionSampler()
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_model_len = int(max_model_len or config_max_len(model))
@@ -389,8 +393,10 @@ class LLMEngine:
             probs = probs[torch.tensor(index, device=probs.device)]
         verifier = self.verifier
         if verifier is None:
-            verifier = self._greedy_verifier if sampling is None else self._rejection
+            verifier = self._greedy_verifier if sampling is None else self._rejection if probs is not None \
+                else self._coupled
         result = verifier.verify(logits, padded, num_drafts, probs, sampling)
+        self.spec_stats.count_verified(verifier.name, int((num_drafts > 0).sum()))
         return result.num_accepted.tolist(), result.emitted()
 
     def _commit(self, seqs, layout, chosen, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkabl
 import attrs
 import torch
 
-from specdec.proposers.options import ModelOptions, keys_from
+from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, ModelOptions, keys_from
 
 if TYPE_CHECKING:
     from specdec.backends.base import AttentionBackend
@@ -40,7 +40,8 @@ class Proposal:
     deterministic drafter (n-gram, greedy draft model: q is one-hot at the draft), else a float
     tensor ``[B, k, V]`` whose row ``[i, j]`` is the distribution draft ``j`` of request ``i`` was
     sampled from (after the request's temperature / top-k / top-p, as ``target_probs`` gives it);
-    rows past a request's drafts are ignored.
+    rows past a request's drafts are ignored. It picks the engine's verifier for a sampling step:
+    the coupled one without it (plain sampling's tokens), rejection sampling with it (the law).
     """
 
     draft_token_ids: list[list[int]]
@@ -185,8 +186,15 @@ class ModelProposer(ProposerBase):
         *,
         attention_backend: str | None = None,
         block_size: int | None = None,
+        draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
     ):
         self.model_path = model
         self.num_speculative_tokens = num_speculative_tokens
         self.attention_backend = attention_backend
         self.block_size = block_size
+        self.draft_sample_method = draft_sample_method
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether sampling requests draw their drafts from q (and report it) rather than take the argmax."""
+        return self.draft_sample_method == "probabilistic"

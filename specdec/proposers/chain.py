@@ -1,7 +1,8 @@
 """The autoregressive draft chain both model-based proposers run (``draft_model`` and ``eagle3``).
 
 From the draft's state at each drafting request's last known position (the hidden states its LM head
-reads): draw a draft token (and, when any request samples, the distribution q it was drawn from),
+reads): draw a draft token (and, when any request samples and the proposer samples its drafts, the
+distribution q it was drawn from),
 keep the requests that may draft more, run one draft step for them on the tokens just drawn, and
 repeat until every request has its ``limits[r]`` drafts. How a token is drawn and how a step runs are
 the proposer's (``draw`` and ``advance``); a greedy draw needs no full logits (under tensor
@@ -36,14 +37,16 @@ def draft_chain(
     num_speculative_tokens: int,
     vocab_size: int,
     device: torch.device,
+    sample: bool = True,
 ) -> Proposal:
     """Drafts for a step of ``batch_size`` requests, of which ``seqs`` (at ``index`` in the step) draft.
 
     ``states[r]`` are what ``draw`` reads for ``seqs[r]``'s first draft; ``limits[r] >= 1`` drafts at most. Greedy
-    steps draw no random numbers and report no q (``draft_probs`` None).
+    steps, and every step when ``sample`` is False (``draft_sample_method="greedy"``), draw the argmax with no
+    random numbers and report no q (``draft_probs`` None: deterministic drafts).
     """
     drafts: list[list[int]] = [[] for _ in range(batch_size)]
-    sampled = not all(s.params.greedy for s in seqs)
+    sampled = sample and not all(s.params.greedy for s in seqs)
     batch, probs = None, None  # all-greedy steps draft the argmax and need neither
     if sampled:
         batch = SamplingBatch.for_sequences(seqs, device)

@@ -23,13 +23,14 @@ class DraftModelProposer(ModelProposer):
     """Drafts with any supported architecture sharing the target's vocabulary.
 
     Keys: :class:`~specdec.proposers.options.ModelOptions` (``model``, ``attention_backend``,
-    ``block_size``). The draft keeps its own KV pool(s) (prefix ``"draft"``, page size ``block_size`` or
-    what its backend prefers) in the shared cache. Each step it first catches up on the tokens it has not
+    ``block_size``, ``draft_sample_method``). The draft keeps its own KV pool(s) (prefix ``"draft"``,
+    page size ``block_size`` or what its backend prefers) in the shared cache. Each step it first catches up on the tokens it has not
     seen (the whole prompt for a new or preempted request; the accepted tokens and the emitted one
     otherwise), then runs one decode per further draft. Greedy requests draft the argmax (q is
-    one-hot, ``draft_probs`` None when the whole step is greedy); sampling requests draw each
-    draft from q = ``target_probs`` of the draft's logits with the request's own parameters,
-    seeded by (request seed, position, ``STREAM_DRAFT``), and report q for the verifier.
+    one-hot, ``draft_probs`` None when the whole step is greedy), and so does every request with
+    ``draft_sample_method="greedy"``; with ``"probabilistic"`` sampling requests draw each draft from
+    q = ``target_probs`` of the draft's logits with the request's own parameters, seeded by (request
+    seed, position, ``STREAM_DRAFT``), and report q for the verifier.
 
     Rollback is the engine's: after verification it truncates the draft's pools (declared ``own``)
     to the request's verified length, which for the draft is exactly the KV it can keep.
@@ -85,7 +86,7 @@ class DraftModelProposer(ModelProposer):
         return draft_chain(
             drafting, active, [max_drafts[i] for i in active], out.hidden_states[index], self._draw, advance,
             batch_size=len(seqs), num_speculative_tokens=self.num_speculative_tokens,
-            vocab_size=self.model.vocab_size, device=runner.device,
+            vocab_size=self.model.vocab_size, device=runner.device, sample=self.samples_drafts,
         )
 
     def _draw(self, hidden: torch.Tensor, batch: SamplingBatch | None, step: int):

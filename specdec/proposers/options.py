@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import attrs
 
-from specdec.validation import boolean, int_at_least, is_int, is_real, non_empty_str, satisfies
+from specdec.validation import boolean, int_at_least, is_int, is_real, non_empty_str, one_of, satisfies
 
 # Types a key may have: the string form parses values as these.
 KEY_KINDS = (int, float, bool, str)
@@ -68,11 +68,21 @@ class CommonOptions(_Labelled):
 ENGINE_KEYS = ("adaptive",)
 
 
+# How a model-based proposer drafts for a sampling request (vLLM's ``draft_sample_method``).
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+DEFAULT_DRAFT_SAMPLE_METHOD = "probabilistic"
+
+
 @attrs.frozen(kw_only=True)
 class ModelOptions(CommonOptions):
-    """The common keys plus ``model``: the draft checkpoint folder (required)."""
+    """The common keys plus ``model``, the draft checkpoint folder (required), and
+    ``draft_sample_method``: for a sampling request, ``"greedy"`` drafts the draft's argmax with no
+    distribution (deterministic drafts: the engine's coupled verifier makes the output plain
+    sampling's, token for token), ``"probabilistic"`` draws each draft from q and reports q (rejection
+    sampling: the output follows the target's law). Greedy requests always draft the argmax."""
 
     model: str = option(str, non_empty_str(), default=attrs.NOTHING, converter=_model_path)
+    draft_sample_method: str = option(str, one_of(DRAFT_SAMPLE_METHODS), default=DEFAULT_DRAFT_SAMPLE_METHOD)
 
 
 def kind_of(field: attrs.Attribute) -> type:

@@ -40,6 +40,13 @@ def test_defaults():
                                          **keys}).adaptive is True
     with pytest.raises(ValueError, match="adaptive must be"):
         parse_speculative_config("ngram:num_speculative_tokens=3,adaptive=sometimes")
+    # draft_sample_method (vLLM's key): the model-based methods', probabilistic unless asked.
+    for method in METHODS:
+        keys = {"model": "m"} if method != "ngram" else {}
+        cfg = parse_speculative_config({"method": method, "num_speculative_tokens": 2, **keys})
+        assert cfg.draft_sample_method == (None if method == "ngram" else "probabilistic")
+    greedy = parse_speculative_config("eagle3.1-mla:model=m,num_speculative_tokens=2,draft_sample_method=greedy")
+    assert greedy.draft_sample_method == "greedy"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -79,6 +86,9 @@ def test_path_model_becomes_a_string():
         ({"method": "eagle3-unshifted", "model": "/d", "num_speculative_tokens": 3, "kv_sharing": 1},
          ["kv_sharing must be true or false"]),
         ("ngram:num_speculative_tokens=3,block_size=-16", ["block_size must be an int >= 1"]),
+        ("eagle3:model=/d,num_speculative_tokens=3,draft_sample_method=sampled",
+         ["draft_sample_method must be one of 'greedy', 'probabilistic'"]),
+        ("ngram:num_speculative_tokens=3,draft_sample_method=greedy", ["unknown key 'draft_sample_method'"]),
         ("ngram:num_speculative_tokens=3,prompt_lookup_min=4,prompt_lookup_max=2", ["prompt_lookup_min (4)"]),
         ("ngram:num_speculative_tokens=3,prompt_lookup_min=0", ["prompt_lookup_min must be an int >= 1"]),
         ("ngram:num_speculative_tokens", ["expected key=value"]),

@@ -72,7 +72,7 @@ def test_draft_pool_has_its_own_page_size(target, tiny_checkpoint):
 
 def test_seeded_sampling_with_a_sampling_draft_is_reproducible(target, tiny_checkpoint):
     draft = str(tiny_checkpoint("llama_draft"))
-    config = _draft(draft, 3)
+    config = _draft(draft, 3, draft_sample_method="probabilistic")
     seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=77, ignore_eos=True)
     llm = LLM(target, dtype="float64", block_size=4, kv_cache_memory=1 << 22, speculative_config=config)
     alone = llm.generate([PROMPTS[2]], seeded, use_tqdm=False)[0].token_ids

@@ -5,9 +5,11 @@ Greedy: token for token the non-speculative output, in float64, for ragged promp
 architecture), with a roomy cache and with one so small that requests are preempted and
 recomputed mid-generation (their draft pools too).
 
-Sampling: through the whole engine (sampling draft model, rejection sampler), the first two
-tokens of thousands of seeded requests follow the target's exact joint law (chi-squared), at
-temperature 1 and with top-p; an always-accept verifier fails the same test.
+Sampling: through the whole engine (a draft model drawing its drafts from q, rejection sampler), the
+first two tokens of thousands of seeded requests follow the target's exact joint law (chi-squared),
+at temperature 1 and with top-p; an always-accept verifier fails the same test. (Deterministic drafts
+go to the coupled verifier, whose output is plain sampling's token for token:
+tests/engine/test_sampled_exact.py.)
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def _empirical_counts(target: str, draft: str, params: SamplingParams, verifier=
     engine = LLMEngine(
         load_model(target, dtype="float64"), PagedKVCache(1 << 24), get_backend("torch"),
         scheduler=Scheduler(SchedulerConfig(max_num_seqs=512)),
-        proposer=DraftModelProposer(draft, 2), verifier=verifier,
+        proposer=DraftModelProposer(draft, 2, draft_sample_method="probabilistic"), verifier=verifier,
     )
     seqs = engine.generate([LAW_PROMPT] * LAW_REQUESTS,
                            [attrs_evolve(params, seed=i) for i in range(LAW_REQUESTS)])
@@ -184,6 +186,7 @@ def test_sampled_speculation_keeps_the_target_law(top_p, law_models):
     counts, stats = _empirical_counts(target, draft, params)
     # The draft differs from the target: some drafts are rejected, some accepted.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_drafts_by_verifier == {"rejection": stats.num_drafts}  # drafts drawn from q
     assert _chi2_pvalue(counts, _exact_joint_law(target, params)) > 0.001
 
 

@@ -40,7 +40,7 @@ from specdec.models.base import ForwardContext
 from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools, StepFeedback
 from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
-from specdec.proposers.options import ModelOptions, keys_from, option
+from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, ModelOptions, keys_from, option
 from specdec.validation import int_at_least
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import paged_metadata
@@ -93,7 +93,8 @@ class Eagle3Proposer(ModelProposer):
       the target's MLA pool it can only be that pool's page size.
 
     Greedy requests draft the argmax over the draft vocabulary mapped through ``d2t`` (q is one-hot,
-    ``draft_probs`` None when the whole step is greedy). Sampling requests draw each draft from
+    ``draft_probs`` None when the whole step is greedy), and so does every request with
+    ``draft_sample_method="greedy"``. With ``"probabilistic"`` sampling requests draw each draft from
     q = ``target_probs`` of the draft logits scattered into the target vocabulary, with the
     request's parameters, seeded by (request seed, position, ``STREAM_DRAFT``), and report q.
     """
@@ -112,8 +113,10 @@ class Eagle3Proposer(ModelProposer):
         attention_backend: str | None = None,
         block_size: int | None = None,
         draft_tensor_parallel_size: int | None = None,
+        draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
     ):
-        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size)
+        super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size,
+                         draft_sample_method=draft_sample_method)
         self.draft_tensor_parallel_size = draft_tensor_parallel_size
         method = method or self.default_method
         if method not in self.methods:
@@ -312,7 +315,7 @@ class Eagle3Proposer(ModelProposer):
         return draft_chain(
             seqs, index, limits, post, self._draw, advance,
             batch_size=batch_size, num_speculative_tokens=self.num_speculative_tokens,
-            vocab_size=self.draft.vocab_size, device=self.device,
+            vocab_size=self.draft.vocab_size, device=self.device, sample=self.samples_drafts,
         )
 
     def _draw(self, post: torch.Tensor, batch: SamplingBatch | None, step: int):

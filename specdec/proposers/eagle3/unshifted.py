@@ -48,7 +48,7 @@ from specdec.proposers.eagle3.kv_sharing import (
     resolve_shared_layer,
 )
 from specdec.proposers.eagle3.proposer import Eagle3Options, Eagle3Proposer
-from specdec.proposers.options import keys_from, option
+from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, keys_from, option
 from specdec.validation import boolean, int_at_least
 
 BOOTSTRAPS = ("zeros",)
@@ -132,9 +132,11 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         attention_backend: str | None = None,
         block_size: int | None = None,
         draft_tensor_parallel_size: int | None = None,
+        draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
     ):
         super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size,
-                         draft_tensor_parallel_size=draft_tensor_parallel_size)
+                         draft_tensor_parallel_size=draft_tensor_parallel_size,
+                         draft_sample_method=draft_sample_method)
         self.kv_sharing = kv_sharing
         self.kv_sharing_target_layer = kv_sharing_target_layer
         self.shared_layer: SharedLayer | None = None

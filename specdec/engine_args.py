@@ -15,9 +15,11 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from specdec.validation import boolean, int_at_least, is_int, non_empty_str, satisfies
+from specdec.validation import boolean, int_at_least, is_int, non_empty_str, one_of, satisfies
 
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+# What KV pages store (specdec.cache.quant maps them to dtypes): "auto" = the model's dtype.
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def byte_size(text: str) -> int:
@@ -75,6 +77,9 @@ class EngineArgs:
     - ``attention_backend``: ``"torch"``, ``"triton"``, ``"aiter"`` or a registered name.
     - ``dtype``: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``.
     - ``block_size``: the target's KV page size; None = what the architecture and backend prefer.
+    - ``kv_cache_dtype``: what the target's KV pages store: ``"auto"`` (the model's dtype), ``"fp8"`` /
+      ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (a byte a value, with a per-layer scale: half of bf16's memory).
+    - ``draft_kv_cache_dtype``: the same for the draft's own pools; None = ``kv_cache_dtype``.
     - ``kv_cache_memory``: bytes for all KV pools together. None = room for ``max_num_seqs`` requests of
       ``max_model_len`` tokens, capped at a quarter of the memory available at start-up (but never
       below one full-length request).
@@ -100,6 +105,11 @@ class EngineArgs:
                      help="auto | float32 | float64 | bfloat16 | float16 (default: auto)")
     block_size: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="N", parse=int,
                                  help="target KV page size (default: the model's/backend's)")
+    kv_cache_dtype: str = arg("auto", validator=one_of(KV_CACHE_DTYPE_NAMES), metavar="NAME",
+                              help="what the target's KV pages store: auto (the model's dtype) | fp8 | fp8_e4m3 | "
+                                   "fp8_e5m2 (default: auto)")
+    draft_kv_cache_dtype: str | None = arg(None, validator=one_of(KV_CACHE_DTYPE_NAMES, optional=True), metavar="NAME",
+                                           help="what the draft's own KV pages store (default: --kv-cache-dtype)")
     kv_cache_memory: int | None = arg(None, validator=int_at_least(1, optional=True), metavar="BYTES",
                                       parse=byte_size, help="bytes for all KV pools, e.g. 67108864 or 64M")
     max_num_seqs: int = arg(256, validator=int_at_least(1), metavar="N", parse=int,

@@ -26,6 +26,7 @@ import torch
 
 from specdec.backends import aiter_loader, pages
 from specdec.backends.base import AttentionMetadata, AttentionOutput
+from specdec.cache.quant import is_fp8
 
 # Up to this many queries per request, MLA runs as per-token decode rows (verify: k + 1 queries).
 MLA_DECODE_MAX_QUERIES = 16
@@ -63,6 +64,10 @@ class AiterBackend:
             return True  # addressed per token
         return False
 
+    def supports_kv_dtype(self, dtype: torch.dtype, pool_kind: str) -> bool:
+        # unified_attention dequantizes fp8 K/V by per-tensor scales; the MLA decode kernels take none.
+        return not is_fp8(dtype) or pool_kind == "attention"
+
     # The pools keep the plain token-major layout, so a scatter writes them and a gather reads them.
     write_kv = staticmethod(pages.scatter_slots)
     gather_pages = staticmethod(pages.gather_pages)
@@ -70,7 +75,8 @@ class AiterBackend:
     # ------------------------------------------------------------------ paged attention
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
-                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> torch.Tensor:
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False,
+                  k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
         if return_lse:
             raise NotImplementedError(
                 "aiter's unified_attention returns no log-sum-exp, so attention over two KV pools (KV sharing) "
@@ -89,13 +95,17 @@ class AiterBackend:
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"attention: sliding_window must be >= 1 (or None), got {sliding_window}")
-        return self._unified(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
+        return self._unified(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
+                             kv_scales=None if k_scale is None else (k_scale, v_scale))
 
-    def _unified(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None):
+    def _unified(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None, kv_scales=None):
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
         device = q.device
+        # fp8 pages: the kernel multiplies each loaded K/V tile by these float32 scalars.
+        descales = [None, None] if kv_scales is None else \
+            [torch.tensor([s], dtype=torch.float32, device=device) for s in kv_scales]
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         with self._quiet():
             self.kernels.unified_attention(
@@ -113,15 +123,18 @@ class AiterBackend:
                 block_table=_padded_block_table(meta, device),
                 softcap=0.0,
                 q_descale=None,
-                k_descale=None,
-                v_descale=None,
+                k_descale=descales[0],
+                v_descale=descales[1],
             )
         return out
 
     # ------------------------------------------------------------------ MLA
 
     def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
-                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
+                      kv_lora_rank: int, scale: float, return_lse: bool = False,
+                      latent_scale: float | None = None) -> AttentionOutput:
+        if latent_scale is not None:
+            raise ValueError("aiter's MLA kernels read no fp8 latent pages; use attention_backend='triton' or 'torch'")
         _check_supported(meta, q, mla=True)
         num_tokens, num_heads, width = q.shape
         if latent_cache.dim() != 3 or latent_cache.shape[-1] != width:

@@ -159,6 +159,11 @@ class AttentionBackend(Protocol):
         """Whether this backend can run a pool of kind ``"attention"`` / ``"mla"`` at this page size."""
         ...
 
+    def supports_kv_dtype(self, dtype: torch.dtype, pool_kind: str) -> bool:
+        """Whether this backend reads a pool of kind ``pool_kind`` storing ``dtype`` (fp8 pools: see
+        :mod:`specdec.cache.quant`; an engine refuses an fp8 pool its backend cannot read)."""
+        ...
+
     def write_kv(
         self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
     ) -> None:
@@ -183,8 +188,11 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         return_lse: bool = False,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> AttentionOutput:
-        """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``.
+        """Paged (GQA) attention; returns ``[T, num_heads, v_head_dim]``. ``k_scale`` / ``v_scale`` come
+        with fp8 pools: a stored value times its scale is the key or value (:mod:`specdec.cache.quant`).
 
         With ``return_lse`` it returns ``(out, lse)``: ``lse [T, num_heads]`` is the log-sum-exp of
         the scaled scores over the keys each query saw (``-inf`` where it saw none, with ``out`` 0
@@ -202,6 +210,7 @@ class AttentionBackend(Protocol):
         kv_lora_rank: int,
         scale: float,
         return_lse: bool = False,
+        latent_scale: float | None = None,
     ) -> AttentionOutput:
         """Absorbed MLA: ``q [T, H, kv_lora_rank + rope_dim]`` against the latent cache (keys: the whole
         latent, values: its first ``kv_lora_rank`` columns); returns ``[T, H, kv_lora_rank]``, or

@@ -24,19 +24,20 @@ def block_sparse_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    **kv_scales: float,
 ) -> torch.Tensor:
     """Attention where head group ``g`` (of ``keep.shape[1]`` contiguous groups) sees only ``keep[:, g]``.
 
     ``keep`` is bool ``[T, groups, max_seq_len]``. One backend call per group, with the group's keys
     as ``custom_mask`` (ANDed with any mask the metadata already carries); groups that chose the same
-    keys share one call.
+    keys share one call. ``kv_scales``: an fp8 pool's ``k_scale`` / ``v_scale``, passed on.
     """
     num_heads, num_kv_heads, groups = q.shape[1], k_cache.shape[2], keep.shape[1]
     if meta.custom_mask is not None:
         keep = keep & meta.custom_mask[:, None, : meta.max_seq_len]
     if groups == 1 or bool((keep == keep[:, :1]).all()):
         masked = attrs.evolve(meta, custom_mask=keep[:, 0])
-        return backend.attention(q, k_cache, v_cache, masked, scale=scale, sliding_window=sliding_window)
+        return backend.attention(q, k_cache, v_cache, masked, scale=scale, sliding_window=sliding_window, **kv_scales)
     per_group, per_kv = num_heads // groups, num_heads // num_kv_heads
     outs = []
     for g in range(groups):
@@ -45,6 +46,6 @@ def block_sparse_attention(
         group_meta = attrs.evolve(meta, custom_mask=keep[:, g])
         outs.append(backend.attention(
             q[:, first:last], k_cache[:, :, kv], v_cache[:, :, kv], group_meta, scale=scale,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, **kv_scales,
         ))
     return torch.cat(outs, dim=1)

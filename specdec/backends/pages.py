@@ -21,8 +21,10 @@ def scatter_slots(
     """Store ``values[entry]`` (``[T, *entry_shape]``) at ``slot_mapping`` in ``layer[entry]``."""
     for key, value in values.items():
         cache = layer[key]
-        flat = cache.view(-1, *cache.shape[2:])
-        flat.index_copy_(0, slot_mapping.to(device=cache.device, dtype=torch.int64), value.to(cache.dtype))
+        flat, value = cache.view(-1, *cache.shape[2:]), value.to(cache.dtype)
+        if cache.dtype.itemsize == 1:  # fp8 pages: torch's CPU index_copy_ has no fp8 kernel; the bytes do
+            flat, value = flat.view(torch.uint8), value.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping.to(device=cache.device, dtype=torch.int64), value)
 
 
 def gather_pages(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

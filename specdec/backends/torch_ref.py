@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype, math_dtype
 from specdec.backends import pages
+from specdec.cache.quant import dequantize
 
 
 class TorchBackend:
@@ -21,23 +22,35 @@ class TorchBackend:
     def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
         return block_size >= 1
 
+    def supports_kv_dtype(self, dtype: torch.dtype, pool_kind: str) -> bool:
+        return True  # fp8 pages are read back by a conversion after the gather
+
     # The pools' token-major pages: a scatter writes them, a gather reads them.
     write_kv = staticmethod(pages.scatter_slots)
     gather_pages = staticmethod(pages.gather_pages)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
-                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> AttentionOutput:
-        keys = pages.gather_pages(k_cache, meta)  # [B, S, Hkv, D]
-        values = pages.gather_pages(v_cache, meta)
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False,
+                  k_scale: float | None = None, v_scale: float | None = None) -> AttentionOutput:
+        work = math_dtype(q.dtype, q.device)
+        keys = _read(k_cache, meta, k_scale, work)  # [B, S, Hkv, D]
+        values = _read(v_cache, meta, v_scale, work)
         return _masked_attention(
             q, keys, values, meta, scale=scale, sliding_window=sliding_window, return_lse=return_lse
         )
 
     def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
-                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
+                      kv_lora_rank: int, scale: float, return_lse: bool = False,
+                      latent_scale: float | None = None) -> AttentionOutput:
         # [B, S, 1, L + R], in the dtype attention runs in: keys and values are views of one conversion.
-        latent = pages.gather_pages(latent_cache, meta).unsqueeze(2).to(math_dtype(q.dtype, q.device))
+        latent = _read(latent_cache, meta, latent_scale, math_dtype(q.dtype, q.device)).unsqueeze(2)
         return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
+
+
+def _read(cache: torch.Tensor, meta: AttentionMetadata, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Each request's cached rows of one entry as ``dtype`` values (an fp8 pool's dequantized by ``scale``)."""
+    rows = pages.gather_pages(cache, meta)
+    return dequantize(rows, scale, dtype) if scale is not None else rows.to(dtype)
 
 
 def _layout_mask(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:

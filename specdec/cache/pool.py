@@ -8,6 +8,8 @@ from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
+from specdec.cache.quant import dequantize, is_fp8, quantize
+
 
 @runtime_checkable
 class KVPool(Protocol):
@@ -57,6 +59,23 @@ class KVPool(Protocol):
         """The entries of one layer, each ``[num_blocks, block_size, *entry_shape]``."""
         ...
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool stores fp8 values, each entry of each layer with its own scale."""
+        ...
+
+    def scale(self, layer: int, entry: str) -> float | None:
+        """The scale of ``entry`` in ``layer`` (None for a pool that stores values as they are)."""
+        ...
+
+    def encode(self, layer: int, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """This step's ``values`` of ``layer`` as the pool stores them."""
+        ...
+
+    def decode(self, layer: int, entry: str, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows of ``entry`` (gathered from the pool's pages) as ``dtype`` values."""
+        ...
+
 
 class PagedPool:
     """A :class:`KVPool` with a free-form set of per-token entries; the two standard layouts subclass it.
@@ -90,6 +109,7 @@ class PagedPool:
         self._num_layers = num_layers
         self._tensors: dict[str, torch.Tensor] | None = None
         self._layers: list[MappingProxyType] = []
+        self._scales: dict[tuple[int, str], float] = {}  # fp8 pools: per layer and entry, 1.0 unless set
 
     # ----- description -----
     @property
@@ -143,6 +163,29 @@ class PagedPool:
         if not 0 <= index < self._num_layers:
             raise IndexError(f"pool {self.name!r} has {self._num_layers} layers, asked for layer {index}")
         return self._layers[index]
+
+    # ----- fp8 storage (specdec.cache.quant) -----
+    @property
+    def quantized(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def scale(self, layer: int, entry: str) -> float | None:
+        return self._scales.get((layer, entry), 1.0) if self.quantized else None
+
+    def set_scale(self, layer: int, entry: str, scale: float) -> None:
+        if not self.quantized:
+            raise ValueError(f"pool {self.name!r} stores {self.dtype}, which takes no scales")
+        if not scale > 0:
+            raise ValueError(f"pool {self.name!r}: a KV scale must be positive, got {scale}")
+        self._scales[(layer, entry)] = float(scale)
+
+    def encode(self, layer: int, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if not self.quantized:
+            return values
+        return {key: quantize(value, self.scale(layer, key), self.dtype) for key, value in values.items()}
+
+    def decode(self, layer: int, entry: str, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(stored, self.scale(layer, entry), dtype) if self.quantized else stored
 
     def __repr__(self) -> str:
         return (

@@ -55,7 +55,8 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure) -> Bui
 
     # Registered before the budget is fixed, so the default can be sized from the real pools.
     cache = PagedKVCache(args.kv_cache_memory or 1)
-    pools = register_pools(target, cache, backend, proposer, block_size=args.block_size, max_model_len=max_model_len)
+    pools = register_pools(target, cache, backend, proposer, block_size=args.block_size, max_model_len=max_model_len,
+                           kv_cache_dtype=args.kv_cache_dtype, draft_kv_cache_dtype=args.draft_kv_cache_dtype)
     if args.kv_cache_memory is None:
         cache.memory_budget = ps.min_over_ranks(tp, default_kv_cache_memory(cache, args.max_num_seqs, max_model_len))
     engine = LLMEngine(

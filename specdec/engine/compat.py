@@ -35,12 +35,16 @@ from specdec.runtime.block_size import (
 )
 
 # Re-exported: the page-size error is part of what an engine build can raise.
-__all__ = ["BackendFeatureError", "PageSizeError", "PoolUse", "check_engine_pools", "check_target_backend",
+__all__ = ["BackendFeatureError", "KVDtypeError", "PageSizeError", "PoolUse", "check_engine_pools", "check_target_backend",
            "describe_support", "proposer_pool_uses"]
 
 
 class BackendFeatureError(ValueError):
     """The target needs an attention feature its backend lacks; the message is one line."""
+
+
+class KVDtypeError(ValueError):
+    """A backend cannot read the dtype a pool stores (fp8 KV on aiter's MLA); the message is one line."""
 
 
 def check_target_backend(model, backend: AttentionBackend) -> None:
@@ -89,7 +93,8 @@ def check_engine_pools(
     *,
     required_block_size: int | None = None,
 ) -> None:
-    """Raise :class:`PageSizeError` (one line) unless every backend runs every pool it uses.
+    """Raise :class:`PageSizeError` or :class:`KVDtypeError` (one line) unless every backend runs every
+    pool it uses, at its page size and in its dtype.
 
     ``target_pools`` run on ``target_backend``; ``draft_uses`` are the draft's (see
     :func:`proposer_pool_uses`). ``required_block_size`` is the target architecture's fixed page size,
@@ -99,11 +104,23 @@ def check_engine_pools(
     uses = [PoolUse(p, "target", target_backend, "own") for p in target_pools] + list(draft_uses)
     for use in uses:
         pool = use.pool
+        if pool.kind in BACKEND_KINDS and not _reads(use.backend, pool):
+            raise KVDtypeError(
+                f"{use.side} pool {pool.name!r} ({pool.kind}) stores {str(pool.dtype).removeprefix('torch.')}, which "
+                f"the {use.side} backend {use.backend.name!r} cannot read; pick another backend or kv_cache_dtype"
+            )
         if pool.kind not in BACKEND_KINDS or use.backend.supports_block_size(pool.block_size, pool.kind):
             continue
         if use.role == "own":
             raise PageSizeError(_own_message(use))
         raise PageSizeError(_shared_message(use, target_backend, target_kinds, required_block_size))
+
+
+def _reads(backend: AttentionBackend, pool: PagedPool) -> bool:
+    """Whether ``backend`` reads ``pool``'s dtype; a backend written before fp8 pools existed (no
+    ``supports_kv_dtype``) reads the model dtypes only."""
+    supports = getattr(backend, "supports_kv_dtype", None)
+    return supports(pool.dtype, pool.kind) if supports is not None else not pool.quantized
 
 
 def _own_message(use: PoolUse) -> str:

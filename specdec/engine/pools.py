@@ -6,8 +6,10 @@ import attrs
 
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
+from specdec.cache.quant import kv_storage_dtype
 from specdec.engine.compat import check_engine_pools, check_target_backend, proposer_pool_uses
 from specdec.models.base import CausalLM
+from specdec.models.loader import apply_kv_scales
 from specdec.proposers.base import Proposer, ProposerContext, ProposerPools
 from specdec.runtime.block_size import choose_block_size
 
@@ -37,18 +39,23 @@ def register_pools(
     *,
     block_size: int | None = None,
     max_model_len: int,
+    kv_cache_dtype: str = "auto",
+    draft_kv_cache_dtype: str | None = None,
 ) -> EnginePools:
     """Register the target's pools (prefix ``"target"``) and let the proposer register its own.
 
     Split from building so that a caller can size the budget from the registered pools first (``LLM``
-    does, for its default ``kv_cache_memory``). Then checks that every backend can run every pool it
+    does, for its default ``kv_cache_memory``). ``kv_cache_dtype`` / ``draft_kv_cache_dtype`` (None: the
+    target's) say what the pools store (:mod:`specdec.cache.quant`). Then checks that every backend can run every pool it
     uses (:func:`specdec.engine.compat.check_engine_pools`; an impossible combination of page sizes
     raises :class:`~specdec.runtime.block_size.PageSizeError`) before any memory is allocated.
     """
     check_target_backend(model, backend)
     dtype = next(model.parameters()).dtype
-    size = choose_block_size(model, backend, block_size, dtype)
-    pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, dtype)]
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+    size = choose_block_size(model, backend, block_size, kv_dtype)
+    pools = [cache.register(p) for p in model.kv_pools(TARGET_POOL, size, kv_dtype)]
+    apply_kv_scales(model, pools)
     declared = ProposerPools()
     if proposer is not None:
         context = ProposerContext(
@@ -57,6 +64,7 @@ def register_pools(
             cache=cache,
             backend=backend,
             dtype=dtype,
+            kv_dtype=kv_storage_dtype(draft_kv_cache_dtype or kv_cache_dtype, dtype),
             device=next(model.parameters()).device,
             max_model_len=max_model_len,
         )

@@ -76,28 +76,41 @@ class ForwardContext:
     def attend(self, pool: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                sliding_window: int | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.write(pool, layer, {"k": k, "v": v})
-        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
+        paged, meta = self.cache.pool(pool), self.metadata[pool]
+        kv, scales = paged.layer(layer), kv_scales(paged, layer, "k", "v")
         if key_mask is not None:
             return block_sparse_attention(
-                self.backend, q, kv["k"], kv["v"], meta, key_mask, scale=scale, sliding_window=sliding_window
+                self.backend, q, kv["k"], kv["v"], meta, key_mask, scale=scale, sliding_window=sliding_window, **scales
             )
-        return self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, sliding_window=sliding_window)
+        return self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, sliding_window=sliding_window, **scales)
 
     def attend_mla(
         self, pool: str, layer: int, q: torch.Tensor, latent: torch.Tensor, *, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         self.write(pool, layer, {"latent": latent})
-        cache = self.cache.pool(pool).layer(layer)["latent"]
-        return self.backend.mla_attention(q, cache, self.metadata[pool], kv_lora_rank=kv_lora_rank, scale=scale)
+        paged = self.cache.pool(pool)
+        return self.backend.mla_attention(q, paged.layer(layer)["latent"], self.metadata[pool], kv_lora_rank=kv_lora_rank,
+                                          scale=scale, **kv_scales(paged, layer, "latent"))
 
     def write(self, pool: str, layer: int, entries: Mapping[str, torch.Tensor]) -> None:
-        self.backend.write_kv(self.cache.pool(pool).layer(layer), entries, self.metadata[pool].slot_mapping)
+        paged = self.cache.pool(pool)
+        self.backend.write_kv(paged.layer(layer), paged.encode(layer, entries), self.metadata[pool].slot_mapping)
 
     def gather(self, pool: str, layer: int, entry: str) -> torch.Tensor:
-        return self.backend.gather_pages(self.cache.pool(pool).layer(layer)[entry], self.metadata[pool])
+        paged = self.cache.pool(pool)
+        rows = self.backend.gather_pages(paged.layer(layer)[entry], self.metadata[pool])
+        return paged.decode(layer, entry, rows, torch.float32)  # fp8 rows: exact in float32 (scale 1)
 
     def pool_metadata(self, pool: str) -> AttentionMetadata:
         return self.metadata[pool]
+
+
+def kv_scales(pool: KVPool, layer: int, *entries: str) -> dict[str, float]:
+    """The ``<entry>_scale`` keywords a backend's attention takes for ``layer`` of an fp8 ``pool``
+    (none for a pool that stores values as they are)."""
+    if not pool.quantized:
+        return {}
+    return {f"{entry}_scale": pool.scale(layer, entry) for entry in entries}
 
 
 @attrs.frozen

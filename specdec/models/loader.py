@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -103,6 +104,23 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+# vLLM's fp8 checkpoints: ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (one float each; MLA keeps
+# its latent's under ``k_scale``), or one ``kv_scale`` for both.
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn(?:\.attn)?\.(k_scale|v_scale|kv_scale)$")
+
+
+def _without_kv_scales(weights, scales: dict[int, dict[str, float]]):
+    """``weights`` less the KV-cache scales, which go to ``scales[layer]["k" | "v"]`` instead."""
+    for name, tensor in weights:
+        match = _KV_SCALE.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer, kind, value = int(match.group(1)), match.group(2), float(tensor.float().max())
+        for entry in ("k", "v") if kind == "kv_scale" else (kind[0],):
+            scales.setdefault(layer, {})[entry] = value
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"):
     """Build the specdec model for a checkpoint folder and load its weights.
 
@@ -128,9 +146,25 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-    model.load_weights(iter_safetensors(path))
+    kv_scales: dict[int, dict[str, float]] = {}
+    model.load_weights(_without_kv_scales(iter_safetensors(path), kv_scales))
+    model.kv_scales = kv_scales  # fp8 KV pools read them (specdec.engine.pools)
     # Inference only: without grad tracking, outputs of inference_mode forwards can feed later ops.
     model.requires_grad_(False)
     model.eval()
     prepack_weights(model)
     return model
+
+
+def apply_kv_scales(model, pools) -> None:
+    """Give the fp8 ones of ``model``'s registered ``pools`` the checkpoint's per-layer KV scales
+    (``model.kv_scales``, read by :func:`load_model`); a layer without one keeps 1.0, as in vLLM. An MLA
+    latent takes its layer's ``k`` scale."""
+    scales = getattr(model, "kv_scales", None) or {}
+    quantized = {pool.name: pool for pool in pools if pool.quantized}
+    if not scales or not quantized:
+        return
+    for model_layer, (pool_name, layer) in enumerate(model.kv_layer_slots()):
+        pool = quantized.get(pool_name)
+        for entry, value in scales.get(model_layer, {}).items() if pool is not None else ():
+            pool.set_scale(layer, "latent" if pool.kind == "mla" else entry, value)

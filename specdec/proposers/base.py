@@ -125,6 +125,8 @@ class ProposerContext:
 
     ``target_pools`` are the target model's pools (not yet materialised: an MLA draft may add a
     layer to one of them); ``cache`` is the shared cache the proposer registers its pools in.
+    ``dtype`` is the draft's weights' and ``kv_dtype`` what its own pools store (fp8 under
+    ``draft_kv_cache_dtype``; layers it adds to a target pool store that pool's dtype).
     """
 
     target: "CausalLM"
@@ -132,6 +134,7 @@ class ProposerContext:
     cache: "PagedKVCache"
     backend: "AttentionBackend"
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     device: torch.device
     max_model_len: int
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from specdec.backends import get_backend
-from specdec.models.loader import load_model
+from specdec.models.loader import apply_kv_scales, load_model
 from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools
 from specdec.proposers.chain import draft_chain
 from specdec.runtime.block_size import choose_block_size
@@ -47,8 +47,10 @@ class DraftModelProposer(ModelProposer):
                 f"{context.target.vocab_size}; a draft_model must share the target's vocabulary"
             )
         backend = get_backend(self.attention_backend) if self.attention_backend else context.backend
-        size = choose_block_size(model, backend, self.block_size, context.dtype, what="speculative config block_size")
-        pools = tuple(context.cache.register(p).name for p in model.kv_pools(DRAFT_POOL, size, context.dtype))
+        size = choose_block_size(model, backend, self.block_size, context.kv_dtype, what="speculative config block_size")
+        registered = [context.cache.register(p) for p in model.kv_pools(DRAFT_POOL, size, context.kv_dtype)]
+        apply_kv_scales(model, registered)
+        pools = tuple(p.name for p in registered)
         self.model = model
         self.runner = ModelRunner(model, context.cache, backend, pools)
         self._target_pool = context.target_pools[0].name

@@ -21,8 +21,7 @@ import attrs
 from specdec.engine_args import EngineArgs, add_cli_args, arg, cli_values, label_with_flag
 from specdec.validation import boolean, int_at_least, int_in_range, non_empty_str, one_of
 
-# vLLM flag -> (takes a value, what specdec does instead). A flag listed with its value applies to
-# that value only; any other value is refused (see _CHECKED_VALUES).
+# vLLM flag -> (takes a value, what specdec does instead).
 VLLM_ONLY: dict[str, tuple[bool, str]] = {
     "--gpu-memory-utilization": (True, "the KV cache is sized by --kv-cache-memory (bytes), not a share of the device"),
     "--compilation-config": (True, "models run eagerly; there is nothing to compile"),
@@ -34,13 +33,8 @@ VLLM_ONLY: dict[str, tuple[bool, str]] = {
     "--reasoning-parser": (True, "reasoning is not separated from the answer; it is served as text"),
     "--language-model-only": (False, "only language models are served"),
     "--additional-config": (True, "no platform plug-in reads it"),
-    "--kv-cache-dtype": (True, "the KV cache is kept in the model's dtype"),
     "--disable-log-requests": (False, "requests are not logged"),
     "--disable-log-stats": (False, "the periodic stats line stays on"),
-}
-# Values of VLLM_ONLY flags that are accepted (anything else is an error naming the flag).
-_CHECKED_VALUES = {
-    "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
 }
 SPEC_PREFIX = "--speculative-config."
 
@@ -131,9 +125,6 @@ def split_vllm_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, Any], li
             spec[name[len(SPEC_PREFIX):]] = _json_or_text(value)
             continue
         instead = VLLM_ONLY[name][1]
-        allowed = _CHECKED_VALUES.get(name)
-        if allowed is not None and value not in allowed:
-            raise ServerArgsError(f"{name} {value} is not supported: {instead}; allowed: {', '.join(allowed)}")
         shown = name if value is None else f"{name} {value}"
         warnings.append(f"warning: {shown} is a vLLM flag that specdec ignores: {instead}")
     return rest, spec, warnings

@@ -38,6 +38,9 @@ class TritonBackend:
             return False
         return isinstance(block_size, int) and block_size >= 1
 
+    def supports_kv_dtype(self, dtype: torch.dtype, pool_kind: str) -> bool:
+        return True  # fp8 pages are converted and scaled as the kernel loads them
+
     def write_kv(
         self, layer: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
     ) -> None:
@@ -47,7 +50,8 @@ class TritonBackend:
     gather_pages = staticmethod(pages.gather_pages)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
-                  scale: float, sliding_window: int | None = None, return_lse: bool = False) -> AttentionOutput:
+                  scale: float, sliding_window: int | None = None, return_lse: bool = False,
+                  k_scale: float | None = None, v_scale: float | None = None) -> AttentionOutput:
         return self._ops.paged_attention(
             q,
             k_cache,
@@ -57,10 +61,12 @@ class TritonBackend:
             sliding_window=sliding_window,
             config=self.config,
             return_lse=return_lse,
+            kv_scales=None if k_scale is None else (k_scale, v_scale),
         )
 
     def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
-                      kv_lora_rank: int, scale: float, return_lse: bool = False) -> AttentionOutput:
+                      kv_lora_rank: int, scale: float, return_lse: bool = False,
+                      latent_scale: float | None = None) -> AttentionOutput:
         if latent_cache.dim() != 3:
             raise ValueError(
                 f"mla_attention: latent cache must be [blocks, page, kv_lora_rank + rope_dim], got {tuple(latent_cache.shape)}"
@@ -75,4 +81,5 @@ class TritonBackend:
             v_dim=kv_lora_rank,
             config=self.config,
             return_lse=return_lse,
+            kv_scales=None if latent_scale is None else (latent_scale, latent_scale),
         )

@@ -62,6 +62,7 @@ def paged_attention_kernel(
     query_start_ptr,
     mask_ptr,
     scale_ptr,
+    kv_scale_ptr,
     sliding_window,
     row_blocks,
     num_heads,
@@ -94,6 +95,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """Online-softmax attention of one request's query rows against its pages, one KV head.
 
@@ -105,7 +107,9 @@ def paged_attention_kernel(
     GPU busy when there are few requests and heads. ``HAS_LSE`` also writes each row's log-sum-exp
     of the scaled scores to ``lse [T, num_heads]`` (contiguous), for merging attention over several
     pools; with splits the reduction writes it. ``UPCAST`` runs the products in fp32 (keys and
-    values follow the query's dtype): Triton's interpreter multiplies bf16 tiles wrongly.
+    values follow the query's dtype): Triton's interpreter multiplies bf16 tiles wrongly. ``KV_SCALED``:
+    fp8 pages, read as the stored value times its scale (``kv_scale [2]``: keys', values'; MLA's latent
+    takes the first).
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,6 +147,9 @@ def paged_attention_kernel(
         dv_ok = offs_dv < V_DIM
         q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
         scale = tl.load(scale_ptr)
+        if KV_SCALED:
+            k_scale = tl.load(kv_scale_ptr)
+            v_scale = tl.load(kv_scale_ptr + 1)
         if SHARED_KV:
             offs_r = tl.arange(0, R_PAD)
             r_ok = offs_r < HEAD_DIM - V_DIM
@@ -173,15 +180,22 @@ def paged_attention_kernel(
                 k_b = tl.load(
                     k_rows[:, None] + V_DIM + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
                 )
+                if KV_SCALED:
+                    kv = kv.to(ACC) * k_scale
+                    k_b = k_b.to(ACC) * k_scale
                 kv = kv.to(q_a.dtype)
                 s = tl.dot(q_a, tl.trans(kv), input_precision="ieee", out_dtype=ACC)
                 s += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)), input_precision="ieee", out_dtype=ACC)
                 v = kv
             else:
                 k = tl.load(k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                if KV_SCALED:
+                    k = k.to(ACC) * k_scale
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee", out_dtype=ACC)
                 v_rows = v_ptr + page * stride_vb + (n % PAGE).to(tl.int64) * stride_vs + kv_head * stride_vh
                 v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+                if KV_SCALED:
+                    v = v.to(ACC) * v_scale
                 v = v.to(q.dtype)
             s = s * scale
 

@@ -113,8 +113,10 @@ def paged_attention(
     sliding_window: int | None = None,
     config: KernelConfig | None = None,
     return_lse: bool = False,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention; ``v_cache=None`` means MLA (values = first ``v_dim`` key columns).
+    ``kv_scales``: (keys', values') scales of fp8 pages (MLA: the latent's, twice).
 
     ``q [T, H, D]``, ``k_cache [blocks, page, kv_heads, D]``, ``v_cache [blocks, page, kv_heads, DV]``.
     Returns ``[T, H, DV]`` in ``q``'s dtype, and with ``return_lse`` also ``lse [T, H]`` (see
@@ -207,6 +209,7 @@ def paged_attention(
         query_start,
         mask if mask is not None else seq_lens,
         _scale_tensor(scale, acc_dtype, device),
+        torch.tensor(kv_scales or (1.0, 1.0), dtype=acc_dtype, device=device),
         int(sliding_window or 0),
         row_blocks,
         num_heads,
@@ -239,6 +242,7 @@ def paged_attention(
         BLOCK_N=block_n,
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
         UPCAST=kernels.INTERPRETED and q.dtype == torch.bfloat16,
+        KV_SCALED=kv_scales is not None,
         **launch,
     )
     if num_splits > 1:

@@ -22,7 +22,7 @@ import torch
 from specdec.backends.base import AttentionMetadata
 from specdec.backends.merge import merge_attention_states
 from specdec.cache.pool import PagedPool
-from specdec.models.base import ForwardContext
+from specdec.models.base import ForwardContext, kv_scales
 
 
 @attrs.frozen
@@ -160,11 +160,13 @@ class SharedKVContext(ForwardContext):
         if key_mask is not None:
             raise ValueError("KV sharing does not support block-sparse (key_mask) draft attention")
         self.write(pool, layer, {"k": k, "v": v})
-        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
-        own, own_lse = self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, return_lse=True)
-        src = self.cache.pool(source.pool).layer(source.layer)
+        own_pool, src_pool, meta = self.cache.pool(pool), self.cache.pool(source.pool), self.metadata[pool]
+        kv, src = own_pool.layer(layer), src_pool.layer(source.layer)
+        own, own_lse = self.backend.attention(q, kv["k"], kv["v"], meta, scale=scale, return_lse=True,
+                                              **kv_scales(own_pool, layer, "k", "v"))
         shared, shared_lse = self.backend.attention(
-            q, src["k"], src["v"], source.metadata, scale=scale, return_lse=True
+            q, src["k"], src["v"], source.metadata, scale=scale, return_lse=True,
+            **kv_scales(src_pool, source.layer, "k", "v"),
         )
         return merge_attention_states(shared, shared_lse, own, own_lse)
 
@@ -173,12 +175,13 @@ class SharedKVContext(ForwardContext):
         if source is None:
             return super().attend_mla(pool, layer, q, latent, kv_lora_rank=kv_lora_rank, scale=scale)
         self.write(pool, layer, {"latent": latent})
-        kv, meta = self.cache.pool(pool).layer(layer), self.metadata[pool]
+        own_pool, src_pool, meta = self.cache.pool(pool), self.cache.pool(source.pool), self.metadata[pool]
         own, own_lse = self.backend.mla_attention(
-            q, kv["latent"], meta, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True
+            q, own_pool.layer(layer)["latent"], meta, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True,
+            **kv_scales(own_pool, layer, "latent"),
         )
-        src = self.cache.pool(source.pool).layer(source.layer)
         shared, shared_lse = self.backend.mla_attention(
-            q, src["latent"], source.metadata, kv_lora_rank=kv_lora_rank, scale=scale, return_lse=True
+            q, src_pool.layer(source.layer)["latent"], source.metadata, kv_lora_rank=kv_lora_rank, scale=scale,
+            return_lse=True, **kv_scales(src_pool, source.layer, "latent"),
         )
         return merge_attention_states(shared, shared_lse, own, own_lse)

@@ -142,9 +142,9 @@ class Eagle3Proposer(ModelProposer):
             pools = ProposerPools(backend=backend, joined=(shared.name,))
         else:
             size = choose_block_size(
-                draft, backend, self.block_size, context.dtype, what="speculative config block_size"
+                draft, backend, self.block_size, context.kv_dtype, what="speculative config block_size"
             )
-            (pool,) = [context.cache.register(p) for p in draft.kv_pools(DRAFT_POOL, size, context.dtype)]
+            (pool,) = [context.cache.register(p) for p in draft.kv_pools(DRAFT_POOL, size, context.kv_dtype)]
             self.pool, self.shares_target_pool = pool.name, False
             # The draft's rows continue from the target's hidden states where the target's reuse ends.
             pools = ProposerPools(backend=backend, own=(pool.name,), reuse_lead=self.position_offset)

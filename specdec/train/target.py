@@ -26,6 +26,7 @@ from specdec.train.data import (
     windows,
 )
 from specdec.train.presets import TargetPreset, get_preset
+from specdec.train.records import complete_target_config
 from specdec.train.run import RunOptions, write_training_record
 from specdec.train.schedule import adamw, cosine_lr, set_lr
 from specdec.train.tokenizer import (
@@ -198,6 +199,7 @@ def save_checkpoint(model, tokenizer, folder: str | Path, metadata: dict | None 
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id,
     )
     model.save_pretrained(str(folder), max_shard_size=MAX_SHARD_SIZE)
+    complete_target_config(folder)
     save_tokenizer(tokenizer, folder)
     if metadata is not None:
         write_training_record(folder, metadata)

@@ -223,8 +223,8 @@ class Eagle3DraftConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``config.json`` object (the SGLang / SpecForge layout: EAGLE3 keys in ``eagle_config``);
-        :meth:`from_dict` reads it back to an equal config."""
+        """The ``config.json`` object (the SGLang / SpecForge layout: EAGLE3 keys in ``eagle_config``, the 3.1
+        flags there and at the top level); :meth:`from_dict` reads it back to an equal config."""
         eagle: dict[str, Any] = {
             "eagle_aux_hidden_state_layer_ids": None if self.aux_layer_ids is None else list(self.aux_layer_ids),
             "use_aux_hidden_state": True,
@@ -256,6 +256,9 @@ class Eagle3DraftConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "eagle_config": eagle,
+            # Also at the top level: vLLM reads the 3.1 flags there only (and published 3.1 drafts put them there).
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
         }
         optional = {
             "target_hidden_size": self.target_hidden_size,

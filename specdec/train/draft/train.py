@@ -10,6 +10,7 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
+from specdec.proposers.draft_record import weights_fingerprint
 from specdec.train.corpus import corpus_fingerprint, load_documents
 from specdec.train.data import (
     WindowBatches,
@@ -149,7 +150,8 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
     trainable = sum(p.numel() for p in draft.parameters())
     metadata = {
         "preset": attrs.asdict(preset),
-        "target": str(Path(config.target_dir).name),
+        "target": str(Path(config.target_dir).resolve().name),
+        "target_fingerprint": weights_fingerprint(config.target_dir),  # what serving checks the target against
         "steps": total,
         "seed": config.seed,
         "threads": torch.get_num_threads(),

@@ -4,7 +4,8 @@ Everything that would make a draft silently useless is checked against the targe
 weight is read: the aux-layer count and the fc width (an off-by-one here collapses acceptance without
 any error), the vocabularies and the d2t map, the hidden sizes the shared embedding / lm_head need,
 the 3.1 flags against the tensors present, and, for ``eagle3.1-mla``, that draft and target are MLA
-with the same latent shape.
+with the same latent shape. What loads but is likely wrong (an embedding of another target, SpecForge's
+ignored ``norm_output``) is warned about (:mod:`specdec.proposers.eagle3.hazards`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from specdec.models.loader import CheckpointError, resolve_dtype
 from specdec.models.weights import load_named_weights
 from specdec.proposers.eagle3.checkpoint import canonical_name, checkpoint_shapes, iter_draft_tensors
 from specdec.proposers.eagle3.config import Eagle3DraftConfig
+from specdec.proposers.eagle3.hazards import check_norm_output, check_shared_embedding
 from specdec.proposers.eagle3.head import Eagle3Head
 from specdec.proposers.eagle3.model import Eagle3LlamaDraft
 
@@ -80,6 +82,8 @@ def load_eagle3_draft(
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from None
     draft.share_target(target_model, None if plan["own_lm_head"] else _target_output_weight(target_model))
+    check_shared_embedding(where, draft, target_model)
+    check_norm_output(where, path)
     draft.requires_grad_(False)
     draft.eval()
     prepack_weights(draft)

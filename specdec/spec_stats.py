@@ -14,6 +14,10 @@
   them: ``greedy`` (all-greedy steps), ``coupled`` (deterministic drafts in a sampling step: the output
   is plain sampling's, token for token), ``rejection`` (drafts with a distribution: the output follows
   the target's law), or a verifier passed in by name. Its values add up to ``num_drafts``.
+- ``warnings``: one line each, what the engine found wrong with speculation: a draft that does not fit
+  its target at load, acceptance far below what the draft should reach, one request's acceptance
+  collapsing while the others' does not (:mod:`specdec.engine.acceptance_alarm`). Not counters:
+  ``reset`` keeps them.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class SpecStats:
     accepted_per_position: list[int] = attrs.field(factory=list, validator=_non_negative_list)
     num_drafts_histogram: list[int] = attrs.field(factory=list, validator=_non_negative_list)
     num_drafts_by_verifier: dict[str, int] = attrs.field(factory=dict, validator=_named_counts)
+    warnings: list[str] = attrs.field(factory=list)
 
     @classmethod
     def for_k(cls, num_speculative_tokens: int) -> "SpecStats":
@@ -121,9 +126,10 @@ class SpecStats:
                 mine[i] += count
         for verifier, count in other.num_drafts_by_verifier.items():
             self.count_verified(verifier, count)
+        self.warnings.extend(w for w in other.warnings if w not in self.warnings)
 
     def reset(self) -> None:
-        """Zero every counter (the lists keep their lengths)."""
+        """Zero every counter (the lists keep their lengths; ``warnings`` stay)."""
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * len(self.accepted_per_position)
         self.num_drafts_histogram = [0] * len(self.num_drafts_histogram)
@@ -155,6 +161,7 @@ class SpecStats:
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "num_drafts_histogram": list(self.num_drafts_histogram),
             "num_drafts_by_verifier": dict(self.num_drafts_by_verifier),
+            "warnings": list(self.warnings),
         }
 
 

@@ -32,7 +32,7 @@ def test_empty_and_reset():
         "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
         "accepted_per_position": [0, 0, 0], "acceptance_per_position": [0.0, 0.0, 0.0],
         "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0, "num_drafts_histogram": [0, 0, 0, 0],
-        "num_drafts_by_verifier": {},
+        "num_drafts_by_verifier": {}, "warnings": [],
     }
     stats.observe(np.array([0, 0]), np.array([0, 0]))  # no drafts: nothing counts
     assert stats.num_drafts == 0
@@ -44,8 +44,10 @@ def test_empty_and_reset():
     stats.count_verified("coupled", 2)
     stats.count_verified("rejection", 0)  # nothing verified: no entry
     assert stats.num_drafts_by_verifier == {"coupled": 2}
-    stats.reset()
-    assert stats == SpecStats(accepted_per_position=[0] * 5, num_drafts_histogram=[0] * 4)
+    stats.warnings.append("acceptance collapsed")
+    stats.reset()  # warnings are not counters: they stay
+    assert stats == SpecStats(accepted_per_position=[0] * 5, num_drafts_histogram=[0] * 4,
+                              warnings=["acceptance collapsed"])
 
 
 def test_add_merges_positions_and_histograms():
@@ -57,8 +59,10 @@ def test_add_merges_positions_and_histograms():
     mine.count_verified("coupled", 1)
     theirs.count_verified("coupled", 2)
     theirs.count_verified("rejection", 1)
+    mine.warnings.append("a")
+    theirs.warnings += ["a", "b"]
     mine.add(theirs)
-    assert mine.num_drafts_by_verifier == {"coupled": 3, "rejection": 1}
+    assert mine.num_drafts_by_verifier == {"coupled": 3, "rejection": 1} and mine.warnings == ["a", "b"]
     assert mine.accepted_per_position == [2, 1, 1, 1]
     assert mine.num_drafts_histogram == [1, 0, 1, 0, 1]
     assert mine.num_drafts == 2 and mine.num_accepted_tokens == 5

@@ -51,9 +51,9 @@ def read_counters(base_url: str) -> dict[str, float]:
 
 
 def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int) -> dict[str, Any]:
-    """``SpecStats.as_dict()``'s figures from two readings of the counters (``num_drafts_histogram`` and
-    ``num_drafts_by_verifier`` are None: the server's ``/metrics`` counts neither the drafts chosen per
-    step nor which verifier checked them)."""
+    """``SpecStats.as_dict()``'s figures from two readings of the counters (``num_drafts_histogram``,
+    ``num_drafts_by_verifier`` and ``warnings`` are None: the server's ``/metrics`` counts neither the drafts
+    chosen per step nor which verifier checked them, and warnings only by number)."""
     drafts, drafted, accepted = (after.get(n, 0) - before.get(n, 0) for n in SPEC_COUNTERS)
     per_position = [int(after.get(f"{PER_POSITION}[{i}]", 0) - before.get(f"{PER_POSITION}[{i}]", 0)) for i in range(k)]
     return {
@@ -66,6 +66,7 @@ def spec_stats_between(before: dict[str, float], after: dict[str, float], k: int
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "num_drafts_histogram": None,
         "num_drafts_by_verifier": None,
+        "warnings": None,
     }
 
 

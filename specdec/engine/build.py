@@ -12,11 +12,14 @@ from specdec.backends import get_backend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
+from specdec.engine.acceptance_alarm import AcceptanceAlarm, DraftExpectation
 from specdec.engine.engine import LLMEngine, config_max_len
 from specdec.engine.pools import register_pools
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine_args import EngineArgs
 from specdec.models.loader import load_model
+from specdec.proposers import load_warnings
+from specdec.proposers.draft_record import check_target
 from specdec.proposers.registry import create_proposer
 from specdec.tokenizer import load_tokenizer
 
@@ -40,11 +43,12 @@ def build_engine(
     and build the engine. Under tensor parallelism every rank calls this with the same ``args``; the
     ranks agree on the default KV budget (the smallest any of them can afford). ``on_step_failure``:
     see :class:`~specdec.distributed.step_sync.StepSync`."""
-    with ps.using(group):
-        return _build(args, group, on_step_failure)
+    # What loading the draft finds suspicious (warnings, not errors) goes to the engine's spec_stats.
+    with ps.using(group), load_warnings.collecting() as found:
+        return _build(args, group, on_step_failure, found)
 
 
-def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure) -> BuiltEngine:
+def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure, load_warnings_found) -> BuiltEngine:
     backend = get_backend(args.attention_backend)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                           max_num_batched_tokens=args.max_num_batched_tokens))
@@ -57,6 +61,11 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure) -> Bui
     cache = PagedKVCache(args.kv_cache_memory or 1)
     pools = register_pools(target, cache, backend, proposer, block_size=args.block_size, max_model_len=max_model_len,
                            kv_cache_dtype=args.kv_cache_dtype, draft_kv_cache_dtype=args.draft_kv_cache_dtype)
+    alarm = None
+    if spec is not None and spec.model:  # a draft made by a model should accept (ngram's rate is the text's)
+        check_target(spec.model, args.model)
+        if tp.rank == 0:
+            alarm = AcceptanceAlarm(DraftExpectation.for_draft(spec.method, spec.model, load_warnings_found))
     if args.kv_cache_memory is None:
         cache.memory_budget = ps.min_over_ranks(tp, default_kv_cache_memory(cache, args.max_num_seqs, max_model_len))
     engine = LLMEngine(
@@ -72,6 +81,7 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure) -> Bui
         enable_prefix_caching=args.enable_prefix_caching,
         sync=StepSync(tp, on_step_failure) if tp.size > 1 else None,
         adaptive=bool(spec is not None and spec.adaptive),
+        acceptance_alarm=alarm,
     )
     return BuiltEngine(engine, load_tokenizer(args.model), max_model_len)
 

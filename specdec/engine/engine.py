@@ -32,6 +32,7 @@ from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
+from specdec.engine.acceptance_alarm import AcceptanceAlarm
 from specdec.engine.goodput import FixedDrafts, GoodputController, calibrate
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
@@ -85,6 +86,9 @@ class LLMEngine:
       (the driver broadcasts added and aborted requests before every step; every rank then steps).
     - ``adaptive``: choose each request's drafts per step, up to k, for the most tokens per second
       (:mod:`specdec.engine.goodput`); otherwise every request that may draft gets k.
+    - ``acceptance_alarm``: warns when acceptance collapses, for the draft or one request
+      (:mod:`specdec.engine.acceptance_alarm`); its warnings, and the draft's at load, go to
+      ``spec_stats.warnings``.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         sync: StepSync | None = None,
         adaptive: bool = False,
+        acceptance_alarm: AcceptanceAlarm | None = None,
     ):
         self.model = model
         self.cache = cache
@@ -136,6 +141,9 @@ class LLMEngine:
         self.sync = sync
         self.stats = EngineStats()
         self.spec_stats = SpecStats.for_k(self.num_speculative_tokens) if proposer is not None else None
+        self.alarm = acceptance_alarm if proposer is not None else None
+        if self.alarm is not None:
+            self.spec_stats.warnings.extend(self.alarm.expectation.load_warnings)
         self.draft_counts = FixedDrafts()  # how many drafts each request gets per step
         if adaptive and proposer is not None:
             self.draft_counts = GoodputController(self.num_speculative_tokens, device=self.device)
@@ -216,6 +224,8 @@ class LLMEngine:
         self.cache.free(seq.seq_id)
         self.prefix.release(seq.seq_id)
         self.draft_counts.forget(seq.seq_id)
+        if self.alarm is not None:
+            self.alarm.forget(seq.seq_id)
         if self.proposer is not None:
             self.proposer.on_step(StepFeedback(finished=(seq.seq_id,)))
 
@@ -436,10 +446,14 @@ class LLMEngine:
             ))
             if any(layout.num_drafts):
                 self.spec_stats.observe(layout.num_drafts, num_accepted)
+                if self.alarm is not None:
+                    self.spec_stats.warnings += self.alarm.observe(layout.requests, layout.num_drafts, num_accepted)
         for seq, drafted, accepted in zip(seqs, layout.num_drafts, num_accepted):
             self.draft_counts.observe_verified(seq.seq_id, drafted, accepted)
         for seq in finished:
             self.draft_counts.forget(seq.seq_id)
+            if self.alarm is not None:
+                self.alarm.forget(seq.seq_id)
         for seq in seqs:
             self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)
         for seq in finished:

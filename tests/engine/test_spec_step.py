@@ -88,6 +88,7 @@ def test_stats_and_trace_match_a_hand_count(target, greedy):
         # and 7 and 2 at 8; request 1 got 2 then 1 (its offer capped to 0 is not counted).
         "num_drafts_histogram": [0, 1, 2, 4],
         "num_drafts_by_verifier": {"greedy": 5},  # every request greedy: every draft to the greedy verifier
+        "warnings": [],
     }
     assert engine.stats.num_steps == 5
     # Step 2 had no drafts at all (request 0's empty pattern, request 1 capped): plain sampling.

@@ -49,7 +49,8 @@ class Delta:
 @attrs.frozen
 class EngineSnapshot:
     """The engine's gauges and running totals after a change: what ``/metrics`` shows. The totals
-    (preemptions, prefix-cache queries and hits, in tokens) count since the engine was built."""
+    (preemptions, prefix-cache queries and hits, in tokens, warnings about speculation: a draft that
+    does not fit its target, collapsed acceptance) count since the engine was built."""
 
     running: int
     waiting: int
@@ -57,12 +58,14 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decode_warnings: int = 0
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
         prefix = engine.prefix_cache_stats()
+        spec = engine.spec_stats
         return cls(len(engine.running_ids()), engine.num_waiting(), engine.cache.usage(),
-                   engine.stats.num_preemptions, prefix.queries, prefix.hits)
+                   engine.stats.num_preemptions, prefix.queries, prefix.hits, len(spec.warnings) if spec else 0)
 
 
 # ----- commands, front end -> core -----

@@ -53,6 +53,10 @@ class ServerMetrics:
                                             "Tokens of admitted requests looked up in the prefix cache.").labels(name),
             "prefix_cache_hits": counter("vllm:prefix_cache_hits",
                                          "Tokens of admitted requests found in the prefix cache.").labels(name),
+            # The lines themselves are in the engine's log (logger "specdec").
+            "spec_decode_warnings": counter("specdec:spec_decode_warnings",
+                                            "Warnings about speculation: a draft that does not fit its target at "
+                                            "load, acceptance collapsed for the draft or one request.").labels(name),
         }
         self._seen = dict.fromkeys(self._totals, 0)
         def gauge(metric: str, doc: str) -> Gauge:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype, math_dtype
-from specdec.backends import pages
+from specdec.backends import invariance, pages
+from specdec.backends.fixed_split import fixed_split_attention
 from specdec.cache.quant import dequantize
 
 
@@ -18,6 +19,7 @@ class TorchBackend:
 
     name = "torch"
     supports_custom_mask = True
+    supports_batch_invariant = True  # see specdec.backends.invariance
 
     def supports_block_size(self, block_size: int, pool_kind: str) -> bool:
         return block_size >= 1
@@ -89,6 +91,9 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     not ``[T, S, ...]``. A query that sees no key gets 0 (and ``-inf`` LSE). Half types the CPU has no
     kernels for run in float32 (:func:`~specdec.backends.base.math_dtype`), the output rounded back.
     """
+    if invariance.enabled():  # each row's keys in fixed splits, whatever the batch (backends.fixed_split)
+        return fixed_split_attention(q, keys, values, meta, scale=scale, sliding_window=sliding_window,
+                                     return_lse=return_lse)
     num_tokens, num_heads, head_dim = q.shape
     batch = keys.shape[0]
     out_dtype, work = q.dtype, math_dtype(q.dtype, q.device)

@@ -26,16 +26,16 @@ import re
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdec.backends import invariance
 from specdec.backends.base import math_dtype
 from specdec.cache.pool import MLAPool
 from specdec.models.base import AttentionContext
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer, bound_pool
 from specdec.distributed import parallel_state as ps
-from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype
+from specdec.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, compute_dtype, linear
 from specdec.models.parallel import ColumnParallelLinear, RowParallelLinear
 from specdec.models.moe import FusedExperts, expert_slice, gated_activation
 from specdec.models.weights import SliceTarget
@@ -254,12 +254,27 @@ class DeepseekV3Attention(nn.Module):
         w_uk, w_uv = self.absorbed if self.absorbed and not kv_b.requires_grad else self.absorbed_maps(kv_b)
         work = w_uk.dtype  # float32 copies round once, as the half product would
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: score the latent rows directly.
-        q_latent = torch.einsum("thn,hnr->thr", q_nope.to(work), w_uk).to(x.dtype)
+        q_latent = absorbed_query(q_nope.to(work), w_uk).to(x.dtype)
         query = torch.cat([q_latent, q_pe], dim=-1)
         out = ctx.attend_mla(pool, self.layer_idx, query, latent, kv_lora_rank=rank, scale=self.scale)
         # sum_s p_s (W_uv c_s) == W_uv (sum_s p_s c_s): expand the attended latent to per-head values.
-        values = torch.einsum("thr,hvr->thv", out.to(work), w_uv).to(x.dtype)
+        values = expanded_values(out.to(work), w_uv).to(x.dtype)
         return self.o_proj(values.reshape(num_tokens, num_heads * s.v_head_dim))
+
+
+def absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``W_uk^T q_nope`` per head: ``q_nope [T, H, nope]``, ``w_uk [H, nope, rank]`` -> ``[T, H, rank]``."""
+    return _per_token(lambda t: torch.einsum("thn,hnr->thr", t, w_uk), q_nope)
+
+
+def expanded_values(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``W_uv`` applied per head to the attended latent: ``[T, H, rank]``, ``w_uv [H, v, rank]`` -> ``[T, H, v]``."""
+    return _per_token(lambda t: torch.einsum("thr,hvr->thv", t, w_uv), latent)
+
+
+def _per_token(product, x: torch.Tensor) -> torch.Tensor:
+    # A per-head batched GEMM over the tokens: in the batch-invariant mode, over fixed blocks of tokens.
+    return invariance.in_row_blocks(product, x) if invariance.enabled() else product(x)
 
 
 class DeepseekV3MLP(GatedMLP):
@@ -291,7 +306,7 @@ class DeepseekV3TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> (mixing weights ``[T, top_k]`` in >= float32, expert ids ``[T, top_k]``)."""
         s, cd = self.settings, compute_dtype(x.dtype)
-        scores = F.linear(x.to(cd), self.weight.to(cd)).sigmoid()
+        scores = invariance.sigmoid(linear(x.to(cd), self.weight.to(cd)))
         choice = scores + self.e_score_correction_bias.to(cd)
         if s.topk_groups < s.num_groups:
             # Keep the topk_groups groups whose two best (biased) experts score highest.

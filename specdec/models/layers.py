@@ -8,6 +8,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from specdec.backends import invariance
 from specdec.backends.base import math_dtype
 from specdec.distributed import parallel_state as ps
 
@@ -43,7 +44,14 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    return invariance.silu(gate) * up
+
+
+def activation(name: str):
+    """``ACT2FN[name]``, with SiLU as :func:`~specdec.backends.invariance.silu` (batch-invariant in the mode)."""
+    if name not in ACT2FN:
+        raise ValueError(f"unknown hidden_act {name!r}; choose one of {sorted(ACT2FN)}")
+    return invariance.silu if name in ("silu", "swish") else ACT2FN[name]
 
 
 # oneDNN's prepacked CPU GEMM (what inductor's CPU weight freezing uses). For the few-row products of
@@ -78,7 +86,16 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prepacked: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear``, through ``prepacked`` (:func:`onednn_prepack` of ``weight``) when given and the
-    weight needs no gradient (the prepacked copy is outside autograd)."""
+    weight needs no gradient (the prepacked copy is outside autograd). In the batch-invariant mode the
+    rows run in fixed blocks (:func:`~specdec.backends.invariance.in_row_blocks`)."""
+    if invariance.enabled():
+        rows = x.reshape(-1, x.shape[-1])
+        y = invariance.in_row_blocks(lambda block: _linear(block, weight, bias, prepacked), rows)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    return _linear(x, weight, bias, prepacked)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepacked: torch.Tensor | None):
     if prepacked is None or weight.requires_grad:
         return F.linear(x, weight, bias)
     if prepacked.dtype != weight.dtype:  # a half layer's float32 copy: round once, where its GEMM would
@@ -212,9 +229,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_up_proj, self.down_proj = gated_projections(hidden_size, intermediate_size, bias)
-        if hidden_act not in ACT2FN:
-            raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
-        self.act = None if hidden_act == "silu" else ACT2FN[hidden_act]
+        self.act = None if hidden_act == "silu" else activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

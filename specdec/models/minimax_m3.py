@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.backends import invariance
 from specdec.backends.base import AttentionMetadata
+from specdec.backends.fixed_split import fixed_split_scores
 from specdec.cache.pool import KVPool, PagedPool
 from specdec.models.attention import GQASelfAttention
 from specdec.models.base import AttentionContext
@@ -74,7 +76,7 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     half = gate_up.shape[-1] // 2
     gate = gate_up[..., :half].clamp(max=limit)
     up = gate_up[..., half:].clamp(min=-limit, max=limit)
-    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+    return (up + 1.0) * (gate * invariance.sigmoid(gate * alpha))
 
 
 def rotate_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
@@ -193,10 +195,13 @@ class MiniMaxM3Indexer(nn.Module):
         """Max over each block's visible keys of ``q . k``: ``[T, H_idx, num_blocks]`` (-inf = unseen)."""
         dtype = compute_dtype(q.dtype)
         batch, seq = keys.shape[:2]
-        # Queries padded per request, so the score tensor is [B, H, Q, S] rather than [T, S, D].
-        padded = q.new_zeros(batch, meta.max_query_len, self.num_heads, self.head_dim, dtype=dtype)
-        padded[request, offset] = q.to(dtype)
-        scores = torch.einsum("bqhd,bsd->bqhs", padded, keys.to(dtype))[request, offset]  # [T, H, S]
+        if invariance.enabled():
+            scores = fixed_split_scores(q.to(dtype), keys.to(dtype), meta)  # [T, H, S], fixed-shape GEMMs
+        else:
+            # Queries padded per request, so the score tensor is [B, H, Q, S] rather than [T, S, D].
+            padded = q.new_zeros(batch, meta.max_query_len, self.num_heads, self.head_dim, dtype=dtype)
+            padded[request, offset] = q.to(dtype)
+            scores = torch.einsum("bqhd,bsd->bqhs", padded, keys.to(dtype))[request, offset]  # [T, H, S]
         future = torch.arange(seq, device=q.device)[None, :] > query_pos[:, None]
         scores = scores.masked_fill(future[:, None, :], float("-inf"))
         num_blocks = -(-seq // self.block_size)

@@ -16,11 +16,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-
+from specdec.backends import invariance
 from specdec.backends.base import math_dtype
 from specdec.distributed import parallel_state as ps
-from specdec.models.layers import compute_dtype
+from specdec.models.layers import activation, compute_dtype
 from specdec.models.loader import CheckpointError
 from specdec.models.parallel import PartsShard, split_spec
 from specdec.models.weights import PIECE, SliceTarget, row_pieces
@@ -33,9 +32,7 @@ def check_top_k(top_k: int, num_experts: int) -> None:
 
 def gated_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``act(gate) * up`` over ``[n, 2I]`` rows holding the gate half then the up half."""
-    if hidden_act not in ACT2FN:
-        raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
-    act = ACT2FN[hidden_act]
+    act = activation(hidden_act)
 
     def gated(gate_up: torch.Tensor) -> torch.Tensor:
         half = gate_up.shape[-1] // 2
@@ -52,7 +49,7 @@ def sigmoid_topk_routing(
     The bias only steers the choice (load balancing); the weights come from the raw sigmoid scores.
     Computed in at least float32 like the reference. Returns ``(weights [T, k], experts [T, k])``.
     """
-    scores = torch.sigmoid(router_logits.to(compute_dtype(router_logits.dtype)))
+    scores = invariance.sigmoid(router_logits.to(compute_dtype(router_logits.dtype)))
     chosen = torch.topk(scores + correction_bias.to(scores.dtype), top_k, dim=-1).indices
     weights = scores.gather(1, chosen)
     return weights / weights.sum(dim=-1, keepdim=True), chosen
@@ -105,7 +102,8 @@ class FusedExperts(nn.Module):
         index_add_, and far cheaper on CPU).
         """
         num_tokens, top_k = experts.shape
-        if num_tokens * self.num_experts <= self.DENSE_MAX_ROWS:
+        # The batch-invariant mode runs only the routed schedule, its products in fixed row blocks.
+        if num_tokens * self.num_experts <= self.DENSE_MAX_ROWS and not invariance.enabled():
             per_slot = self._every_expert(x, experts)
         else:
             per_slot = self._routed_rows(x, experts)
@@ -130,6 +128,11 @@ class FusedExperts(nn.Module):
     def _product(self, x: torch.Tensor, part: int, expert: int | None = None) -> torch.Tensor:
         """``x`` through the gate/up (``part`` 0) or down (1) weights of every expert (``[E, T, out]``)
         or of ``expert`` (``[T, out]``); from the float32 copy, when there is one, rounded once."""
+        if expert is not None and invariance.enabled():
+            return invariance.in_row_blocks(lambda rows: self._expert_product(rows, part, expert), x)
+        return self._expert_product(x, part, expert)
+
+    def _expert_product(self, x: torch.Tensor, part: int, expert: int | None) -> torch.Tensor:
         weight = (self.gate_up_proj, self.down_proj)[part]
         copy = None if self.prepacked is None or weight.requires_grad else self.prepacked[part]
         if copy is not None:

@@ -22,6 +22,7 @@ class TritonBackend:
 
     name = "triton"
     supports_custom_mask = True
+    supports_batch_invariant = True  # see specdec.backends.invariance
 
     def __init__(self, config: KernelConfig | None = None):
         check_runnable()

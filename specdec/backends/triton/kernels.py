@@ -138,7 +138,8 @@ def paged_attention_kernel(
             hi = tl.minimum(seq_len, context + last_row // GROUP + 1)
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(0, context + first_row // GROUP - sliding_window + 1)
+            # Down to a key tile's edge: tiles start at multiples of BLOCK_N for every row (batch-invariant).
+            lo = tl.maximum(0, context + first_row // GROUP - sliding_window + 1) // BLOCK_N * BLOCK_N
         per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
         split_lo = lo + split * per_split
         split_hi = tl.minimum(hi, split_lo + per_split)

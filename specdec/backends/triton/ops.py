@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.backends import invariance
 from specdec.backends.base import AttentionMetadata, lse_dtype
 from specdec.backends.triton import kernels
 from specdec.backends.triton.config import KernelConfig
@@ -176,11 +177,14 @@ def paged_attention(
     width = dv_pad + (r_pad if shared else d_pad)
     # Large heads (the 576-wide MLA latent) need smaller tiles to stay in registers.
     auto_m = 64 if width <= 256 else 32 if width <= 640 else 16
-    block_m = config.block_m or min(auto_m, _pad(meta.max_query_len * group))
+    # The batch-invariant mode keeps one tile shape and one key split whatever the batch: a row's products
+    # and its keys' blocks (from position 0) are then the same alone and beside any other rows.
+    invariant = invariance.enabled()
+    block_m = config.block_m or (auto_m if invariant else min(auto_m, _pad(meta.max_query_len * group)))
     block_n = config.block_n or (64 if width <= 256 else 32)
     row_blocks = triton.cdiv(meta.max_query_len * group, block_m)
     num_requests = meta.num_requests
-    num_splits = config.num_splits or _auto_splits(device, num_requests * row_blocks * num_kv_heads, meta.max_seq_len, block_n)
+    num_splits = 1 if invariant else config.num_splits or _auto_splits(device, num_requests * row_blocks * num_kv_heads, meta.max_seq_len, block_n)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     if num_splits > 1:

@@ -14,6 +14,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
+from specdec.zoo import ZOO_DIR
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -59,6 +60,22 @@ def test_generate_json_with_speculation_and_trace(llama):
         # What was emitted is a piece of that request's output.
         out = result["outputs"][entry["request"]]["token_ids"]
         assert any(out[i : i + len(entry["emitted_token_ids"])] == entry["emitted_token_ids"] for i in range(len(out)))
+
+
+def test_a_draft_for_another_target_is_named_at_load_and_when_acceptance_collapses():
+    # issue 23's pair: a draft trained for kimi-k2-tiny, with shapes that fit llama-tiny.
+    zoo = ZOO_DIR
+    proc = run(
+        "generate", "--model", f"{zoo}/llama-tiny", "--dtype", "float32", "--json", "--max-tokens", "16",
+        "--speculative-config", f"eagle3:model={zoo}/kimi-k2-tiny-eagle3,num_speculative_tokens=3",
+        "--prompt", "def fib(n):", "--prompt", "import os", "--prompt", "class Node:", "--prompt", "for i in",
+    )
+    assert proc.returncode == 0, proc.stderr
+    warnings = json.loads(proc.stdout)["spec_stats"]["warnings"]
+    assert proc.stderr.splitlines() == warnings and len(warnings) == 2
+    assert "trained for a target (kimi-k2-tiny)" in warnings[0]
+    # Four requests, one draft each a step: named on the step its drafts reached 38, the tenth of 16.
+    assert "eagle3 draft" in warnings[1] and "0 of 40 drafts accepted" in warnings[1] and "records 0.873" in warnings[1]
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Each built asset's files must hash as the manifest says (a stale manifest, or weights edited by
 hand, fail here), stay under the repository's 20 MB per-file limit and, all together, the 60 MB
 budget. Every draft loads against its target and speculates losslessly in float64 (bf16 weights
-widen exactly), with the acceptance of a trained draft, not a random one.
+widen exactly), with the acceptance of a trained draft, not a random one, and never warns (at load,
+or from the acceptance alarm over enough drafts to have named a collapse).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.engine.acceptance_alarm import AcceptanceAlarm, DraftExpectation
 from specdec.train.corpus import validation_prompts
 from specdec.zoo import ASSETS, BUDGET_BYTES, MAX_FILE_BYTES, ZOO_DIR, available
 
@@ -63,15 +65,19 @@ def test_the_zoo_fits_its_budget():
 
 
 @pytest.mark.parametrize("name", DRAFTS)
-def test_every_draft_is_lossless_on_its_target_and_accepts(name):
+def test_every_draft_is_lossless_on_its_target_accepts_and_never_warns(name):
     method, target_name = ASSETS[name]
     target = str(ZOO_DIR / target_name)
-    prompts = validation_prompts(target, 2, 24)
+    prompts = validation_prompts(target, 12, 24)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    common = dict(dtype="float64", max_num_seqs=2, kv_cache_memory=64 << 20)
+    common = dict(dtype="float64", max_num_seqs=12, kv_cache_memory=64 << 20)
     plain = [o.token_ids for o in LLM(target, **common).generate(prompts, params, use_tqdm=False)]
     spec = {"method": method, "model": str(ZOO_DIR / name), "num_speculative_tokens": 3}
     llm = LLM(target, speculative_config=spec, **common)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    stats = llm.spec_stats()
     # A trained draft is right well beyond chance (1 in a few thousand) on its first guess.
-    assert llm.spec_stats().acceptance_per_position[0] > 0.2
+    assert stats.acceptance_per_position[0] > 0.2
+    # Nothing suspicious at load, and no alarm over more drafts than a collapse would have needed.
+    horizon = AcceptanceAlarm(DraftExpectation.for_draft(method, ZOO_DIR / name)).collapse_horizon
+    assert stats.warnings == [] and stats.num_drafts >= horizon

@@ -67,7 +67,8 @@ def measure_acceptance(draft: Path, target: Path, method: str, *, num_prompts: i
     from specdec import LLM, SamplingParams
 
     spec = {"method": method, "model": str(draft), "num_speculative_tokens": k}
-    llm = LLM(str(target), speculative_config=spec, dtype="float64", max_num_seqs=num_prompts, kv_cache_memory=256 << 20)
+    llm = LLM(str(target), speculative_config=spec, dtype="float64", max_num_seqs=num_prompts,
+              kv_cache_memory=256 << 20)
     llm.generate(validation_prompts(target, num_prompts, length), SamplingParams(max_tokens=length, ignore_eos=True),
                  use_tqdm=False)
     return [round(a, 4) for a in llm.spec_stats().acceptance_per_position]

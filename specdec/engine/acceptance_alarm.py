@@ -91,7 +91,8 @@ class AcceptanceAlarm:
             n += 1
         return n
 
-    def observe(self, requests: Sequence[Hashable], num_drafts: Sequence[int], num_accepted: Sequence[int]) -> list[str]:
+    def observe(self, requests: Sequence[Hashable], num_drafts: Sequence[int],
+                num_accepted: Sequence[int]) -> list[str]:
         """Count one step (per request: drafts made, drafts accepted); returns the warnings it raised (logged)."""
         found = []
         for request, drafted, accepted in zip(requests, num_drafts, num_accepted):

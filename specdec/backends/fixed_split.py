@@ -100,15 +100,17 @@ def fixed_split_attention(
                                   lambda m: _layout_visibility(m, tiles, sliding_window))
     if meta.custom_mask is not None:
         visible = visible & _padded_columns(meta.custom_mask[:, : meta.max_seq_len], visible.shape[-1])[tiles.token]
-    # Keys past a request's length are masked by score; their values are zeroed too (0 * NaN is NaN).
-    values = values.masked_fill(~_held(meta, values.shape[1])[:, :, None, None], 0)
-    keys, values = _split_padded(keys, work), _split_padded(values, work)
+    key_rows = meta.derived(("fixed_split.key_rows", num_heads, num_kv_heads, sliding_window),
+                            lambda m: _key_rows(m, tiles, num_kv_heads, spans))
+    keys, values = _per_head_rows(keys, work), _per_head_rows(values, work)
     query = tiles.gather(q.to(work))
     m = query.new_full(tiles.valid.shape, float("-inf"))
     total = query.new_zeros(tiles.valid.shape)
     acc = query.new_zeros(*tiles.valid.shape, v_dim)
-    for span in spans:  # the splits some row sees: the others are no-ops for every row
-        k = keys[tiles.request, span, tiles.kv_head]  # [N, KEY_SPLIT, D]
+    for span, (rows, held) in zip(spans, key_rows):  # the splits some row sees: the others are no-ops for every row
+        k = keys.index_select(0, rows).view(*held.shape[:2], -1)  # [N, KEY_SPLIT, D]
+        # Keys past a request's length are masked by score, their values zeroed too (0 * NaN is NaN).
+        v = values.index_select(0, rows).view(*held.shape[:2], -1).where(held, 0)
         scores = (fixed_bmm(query, k, transpose_b=True) * scale).masked_fill(~visible[..., span], float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1))
         # A row that has seen no key yet keeps max -inf: shift by 0 so its weights are 0, not NaN.
@@ -116,7 +118,7 @@ def fixed_split_attention(
         p = torch.exp(scores - shift[..., None])
         rescale = torch.exp(m - shift)
         total = total * rescale + p.sum(dim=-1)
-        acc = acc * rescale[..., None] + fixed_bmm(p, values[tiles.request, span, tiles.kv_head])
+        acc = acc * rescale[..., None] + fixed_bmm(p, v)
         m = m_new
     seen_any = total > 0
     out_tiles = torch.where(seen_any[..., None], acc / torch.where(seen_any, total, 1.0)[..., None], 0.0)
@@ -155,9 +157,23 @@ def _padded_columns(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - dim - 1) + (0, width - x.shape[dim]))
 
 
-def _held(meta: AttentionMetadata, width: int) -> torch.Tensor:
-    """bool ``[B, width]``: the positions each request holds."""
-    return torch.arange(width, device=meta.seq_lens.device) < meta.seq_lens.long()[:, None]
+def _per_head_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered ``x [B, S, Hkv, D]`` as ``dtype`` rows ``[B * Hkv * S, D]``, row ``(b * Hkv + h) * S + s``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[-1]).to(dtype)
+
+
+def _key_rows(meta: AttentionMetadata, tiles: RowTiles, num_kv_heads: int, spans: list[slice]):
+    """Per split of ``spans``: the row of :func:`_per_head_rows` each tile reads at each of its positions
+    (flat ``[N * KEY_SPLIT]``; a position past the gathered keys reads the last), and bool ``[N,
+    KEY_SPLIT, 1]``: the positions its request holds."""
+    seq = meta.max_seq_len
+    base = (tiles.request * num_kv_heads + tiles.kv_head)[:, None] * seq
+    lengths = meta.seq_lens.long()[tiles.request][:, None]
+    out = []
+    for span in spans:
+        pos = torch.arange(span.start, span.stop, device=base.device)
+        out.append(((base + pos.clamp(max=seq - 1)).flatten(), (pos < lengths)[..., None]))
+    return out
 
 
 def _spans(width: int) -> list[slice]:

@@ -64,9 +64,14 @@ class FusedExperts(nn.Module):
     costs what a 1-token decode does; more rows sort (token, slot) pairs by expert and run one matmul
     per expert over its tokens (a loop over experts, never over tokens), which computes only routed
     rows. A real MoE (hundreds of experts) never takes the dense schedule.
+
+    The batch-invariant mode picks the schedule from the model, not the batch: a MoE of at most
+    ``INVARIANT_DENSE_EXPERTS`` experts runs every expert on every token, others the routed schedule,
+    either one over tokens in fixed blocks (each product then has one shape whatever the batch).
     """
 
     DENSE_MAX_ROWS = 64
+    INVARIANT_DENSE_EXPERTS = 8
 
     def __init__(
         self,
@@ -102,8 +107,13 @@ class FusedExperts(nn.Module):
         index_add_, and far cheaper on CPU).
         """
         num_tokens, top_k = experts.shape
-        # The batch-invariant mode runs only the routed schedule, its products in fixed row blocks.
-        if num_tokens * self.num_experts <= self.DENSE_MAX_ROWS and not invariance.enabled():
+        if invariance.enabled():
+            if self.num_experts <= self.INVARIANT_DENSE_EXPERTS:
+                per_token = lambda rows, ids: self._every_expert(rows, ids).unflatten(0, (len(rows), top_k))  # noqa: E731
+                per_slot = invariance.in_row_blocks(per_token, x, experts).flatten(0, 1)
+            else:
+                per_slot = self._routed_rows(x, experts)  # each expert's products in row blocks
+        elif num_tokens * self.num_experts <= self.DENSE_MAX_ROWS:
             per_slot = self._every_expert(x, experts)
         else:
             per_slot = self._routed_rows(x, experts)

@@ -100,9 +100,10 @@ def _deepseek_settings(groups: int) -> DeepseekV3Settings:
     return DeepseekV3Settings.from_hf_config(config)
 
 
-def _experts(dtype: torch.dtype, prepack: bool) -> Op:
+def _experts(dtype: torch.dtype, prepack: bool, num_experts: int = 4) -> Op:
+    """Few experts run every expert on every token; more (16 here) the routed schedule."""
     torch.manual_seed(0)
-    experts = FusedExperts(4, HIDDEN, 64, gated_activation("silu"))
+    experts = FusedExperts(num_experts, HIDDEN, 64, gated_activation("silu"))
     torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
     torch.nn.init.normal_(experts.down_proj, std=0.05)
     experts = experts.to(dtype).requires_grad_(False)
@@ -115,10 +116,10 @@ def _experts(dtype: torch.dtype, prepack: bool) -> Op:
 
     def rows(n):
         g = _gen(n)
-        return [((torch.randn(HIDDEN, generator=g)).to(dtype), torch.randperm(4, generator=g)[:2],
+        return [((torch.randn(HIDDEN, generator=g)).to(dtype), torch.randperm(num_experts, generator=g)[:2],
                  torch.rand(2, generator=g)) for _ in range(n)]
 
-    return Op("MoE experts" + (" (float32 copies)" if prepack else ""), run, rows)
+    return Op(f"MoE experts ({num_experts}" + (", float32 copies)" if prepack else ")"), run, rows)
 
 
 def _mla_maps(dtype: torch.dtype) -> Op:
@@ -235,9 +236,10 @@ def token_ops(dtype: torch.dtype) -> list[Op]:
     gate = _linear(HIDDEN, 4, dtype, "onednn")
     bias = torch.randn(4, generator=_gen(4)) * 0.01
     ops.append(_rowwise("MiniMax router", lambda x: sigmoid_topk_routing(gate(x), bias, 2), _vectors(HIDDEN, dtype)))
-    ops += [_experts(dtype, False), _mla_maps(dtype), _indexer(dtype), _eagle3_head(dtype), _sampler(dtype)]
+    ops += [_experts(dtype, False), _experts(dtype, False, 16), _mla_maps(dtype), _indexer(dtype),
+            _eagle3_head(dtype), _sampler(dtype)]
     if dtype != torch.float32:
-        ops.append(_experts(dtype, True))
+        ops += [_experts(dtype, True), _experts(dtype, True, 16)]
     return ops
 
 

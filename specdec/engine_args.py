@@ -92,6 +92,9 @@ class EngineArgs:
     - ``tensor_parallel_size``: ranks the weights and KV heads are split over; specdec starts the other
       ranks' processes itself, or joins the group ``torchrun`` started (see :mod:`specdec.distributed`).
       ``kv_cache_memory`` is per rank.
+    - ``batch_invariant``: compute every row independently of the batch it is in
+      (:mod:`specdec.backends.invariance`), so greedy outputs are bit-identical with and without
+      speculation and at any concurrency, in any dtype; slower. ``torch`` and ``triton`` backends.
     """
 
     model: str = arg(validator=non_empty_str(), converter=_path, metavar="DIR",
@@ -127,6 +130,10 @@ class EngineArgs:
     tensor_parallel_size: int = arg(1, validator=int_at_least(1), metavar="N", parse=int,
                                     help="processes the model's weights and KV heads are split over "
                                          "(torch.distributed; default: 1)")
+    batch_invariant: bool = arg(False, validator=boolean(),
+                                help="batch-invariant numerics: each row computed independently of what it is batched "
+                                     "with, so outputs are identical with and without speculation and at any "
+                                     "concurrency (slower; default: off)")
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "EngineArgs":

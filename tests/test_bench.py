@@ -9,6 +9,7 @@ concurrency did to the batches. The zoo's llama-tiny (a real tokenizer) checks t
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -126,6 +127,21 @@ def test_json_fields_are_consistent(bench_json):
     assert settings["speculative_config"]["method"] == "ngram" and settings["num_prompts"] == NUM_PROMPTS
     assert settings["tensor_parallel_size"] == 1
     assert settings["prompt_source"] == SYNTHETIC and settings["temperature"] == [0.0]
+
+
+def test_identical_outputs_line_says_why_a_low_precision_run_may_differ(bench_json):
+    """Without --batch-invariant a bf16 or float32 run's line says why its outputs may differ from the
+    baseline's; with it, that they cannot. A float64 run's line says neither."""
+    def line(result):
+        return next(x for x in format_table(result).splitlines() if x.startswith("outputs identical"))
+
+    assert bench_json["settings"]["batch_invariant"] is False
+    assert line(bench_json) == f"outputs identical to the baseline: {NUM_PROMPTS}/{NUM_PROMPTS}"
+    half = copy.deepcopy(bench_json)
+    half["settings"]["dtype"] = "bfloat16"
+    assert "rounding depends on the rows batched with it" in line(half) and "--batch-invariant makes them" in line(half)
+    half["settings"]["batch_invariant"] = True
+    assert line(half).endswith("(batch-invariant: each row computed independently of its batch)")
 
 
 @pytest.mark.slow

@@ -152,6 +152,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "block_size": config.block_size,
         "enable_prefix_caching": config.enable_prefix_caching,
         "tensor_parallel_size": config.tensor_parallel_size,
+        "batch_invariant": config.batch_invariant,
         "workload": workload.name,
         "workload_description": workload.description,
         "prompt_source": workload.source,
@@ -208,7 +209,8 @@ def _runs_over_http(config: BenchConfig, workload: Workload, temperature: float,
         if spec is not None:
             settings["speculative_config"] = spec
     settings.update(base_url=config.base_url, baseline_url=config.baseline_url, attention_backend="(server's)",
-                    dtype="(server's)", enable_prefix_caching="(server's)", tensor_parallel_size="(server's)")
+                    dtype="(server's)", enable_prefix_caching="(server's)", tensor_parallel_size="(server's)",
+                    batch_invariant="(server's)")
     if len(runs) == 2:
         return runs[0], runs[1]
     return (runs[0], None) if settings["speculative_config"] is None else (None, runs[0])

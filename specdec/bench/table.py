@@ -128,8 +128,19 @@ def format_table(result: dict[str, Any]) -> str:
             elif t:  # nothing drafted, or over HTTP, where the verifiers are not counted
                 sampled = " (sampled: plain sampling's tokens with deterministic drafts, the law with drafts from q)"
             lines.append(f"{at}outputs identical to the baseline: {entry['identical_outputs']}/{s['num_prompts']}"
-                         f"{sampled}")
+                         f"{sampled}{_rounding_note(s, t, verifiers)}")
     return "\n".join(lines)
+
+
+def _rounding_note(s: dict[str, Any], temperature: float, verifiers: list[str]) -> str:
+    """Why greedy (or coupled) outputs may differ from the baseline's, or that the mode rules it out."""
+    if s.get("batch_invariant") is True:
+        return " (batch-invariant: each row computed independently of its batch)"
+    if s.get("batch_invariant") is not False or s.get("dtype") == "float64" or (temperature and "rejection" in verifiers):
+        return ""  # the server's setting, float64 (near-ties beyond its rounding), or sampled by law
+    return ("; without --batch-invariant a row's rounding depends on the rows batched with it (a verify's k+1 "
+            "rows, the other requests), so tokens can differ where two logits nearly tie; --batch-invariant "
+            "makes them identical")
 
 
 def progress_to_stderr(message: str) -> None:

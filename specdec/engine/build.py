@@ -81,6 +81,7 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure, load_w
         enable_prefix_caching=args.enable_prefix_caching,
         sync=StepSync(tp, on_step_failure) if tp.size > 1 else None,
         adaptive=bool(spec is not None and spec.adaptive),
+        batch_invariant=args.batch_invariant,
         acceptance_alarm=alarm,
     )
     return BuiltEngine(engine, load_tokenizer(args.model), max_model_len)

@@ -60,6 +60,17 @@ def check_target_backend(model, backend: AttentionBackend) -> None:
         )
 
 
+def check_batch_invariant(*backends: AttentionBackend | None) -> None:
+    """Raise :class:`BackendFeatureError` (one line) when a backend the engine attends with has no
+    batch-invariant mode (``supports_batch_invariant``; see :mod:`specdec.backends.invariance`)."""
+    for backend in backends:
+        if backend is not None and not getattr(backend, "supports_batch_invariant", False):
+            raise BackendFeatureError(
+                f"attention backend {backend.name!r} has no batch-invariant mode (its kernels choose how to split a "
+                "row's keys from the batch); use attention_backend='torch' or 'triton', or batch_invariant=False"
+            )
+
+
 @attrs.frozen
 class PoolUse:
     """One backend running attention over one pool.

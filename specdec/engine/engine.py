@@ -28,11 +28,13 @@ from typing import Callable, Iterable, Sequence
 import attrs
 import torch
 
+from specdec.backends import invariance
 from specdec.backends.base import AttentionBackend
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
 from specdec.engine.acceptance_alarm import AcceptanceAlarm
+from specdec.engine.compat import check_batch_invariant
 from specdec.engine.goodput import FixedDrafts, GoodputController, calibrate
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
@@ -86,6 +88,9 @@ class LLMEngine:
       (the driver broadcasts added and aborted requests before every step; every rank then steps).
     - ``adaptive``: choose each request's drafts per step, up to k, for the most tokens per second
       (:mod:`specdec.engine.goodput`); otherwise every request that may draft gets k.
+    - ``batch_invariant``: every step runs in :func:`specdec.backends.invariance.batch_invariant`, so each
+      row's result is independent of the batch (greedy speculative output equals plain output bit for
+      bit in any dtype); backends without the mode are refused here.
     - ``acceptance_alarm``: warns when acceptance collapses, for the draft or one request
       (:mod:`specdec.engine.acceptance_alarm`); its warnings, and the draft's at load, go to
       ``spec_stats.warnings``.
@@ -109,6 +114,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         sync: StepSync | None = None,
         adaptive: bool = False,
+        batch_invariant: bool = False,
         acceptance_alarm: AcceptanceAlarm | None = None,
     ):
         self.model = model
@@ -129,6 +135,9 @@ class LLMEngine:
                 raise ValueError("pass an empty, unbuilt cache, or the EnginePools register_pools returned for it")
             pools = register_pools(model, cache, backend, proposer, block_size=block_size,
                                    max_model_len=self.max_model_len)
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
+            check_batch_invariant(backend, pools.draft.backend)
         if not cache.is_built:
             cache.build()
         self.pools = pools
@@ -299,6 +308,10 @@ class LLMEngine:
         return self.sync.step(self, self._step)  # every rank takes the same step on the same requests
 
     def _step(self) -> StepOutput:
+        with invariance.batch_invariant(self.batch_invariant):  # the proposer's forwards and the target's
+            return self._run_step()
+
+    def _run_step(self) -> StepOutput:
         self.draft_counts.step_began()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions

@@ -45,15 +45,13 @@ from specdec.proposers.base import Proposal, Proposer, StepFeedback
 from specdec.runtime.layout import StepLayout
 from specdec.runtime.model_runner import ModelRunner
 from specdec.runtime.sequence import Sequence as EngineSequence
+from specdec.runtime.sequence import checked_prompt
 from specdec.sampling.logprobs import new_token_logprobs, prompt_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sampler import Sampler, SamplingBatch
 from specdec.spec_stats import SpecStats
-from specdec.validation import is_int
 from specdec.verifiers.base import Verifier
-from specdec.verifiers.coupled import CoupledVerifier
-from specdec.verifiers.greedy import GreedyVerifier
-from specdec.verifiers.rejection import RejectionSampler
+from specdec.verifiers.select import VerifierChoice
 
 
 @attrs.define
@@ -76,11 +74,9 @@ class LLMEngine:
     request emitted, its drafts, which finished); :meth:`generate` runs a list to the end.
 
     - ``sampler``: draws tokens when a step has no drafts (default :class:`Sampler`).
-    - ``verifier``: checks drafts; by default :class:`GreedyVerifier` for all-greedy steps, and when
-      any request samples :class:`CoupledVerifier` for deterministic drafts (no ``draft_probs``: the
-      output is plain sampling's, token for token) or the lossless :class:`RejectionSampler` for drafts
-      drawn from a distribution (both treat greedy rows exactly like the greedy verifier, so
-      per-request mixes are fine). ``spec_stats.num_drafts_by_verifier`` counts which verified what.
+    - ``verifier``: checks every step's drafts; by default the one
+      :class:`~specdec.verifiers.select.VerifierChoice` picks for the step (greedy, coupled or rejection
+      sampling). ``spec_stats.num_drafts_by_verifier`` counts which verified what.
     - ``eos_token_ids``: stop ids for requests without ``ignore_eos``.
     - ``seed``: requests without a ``SamplingParams.seed`` get one drawn from this, at admission.
     - ``enable_prefix_caching``: reuse cached pages of identical prefixes (:mod:`specdec.engine.prefix_caching`).
@@ -122,10 +118,7 @@ class LLMEngine:
         self.scheduler = scheduler or Scheduler()
         self.sampler = sampler or Sampler()
         self.proposer = proposer
-        self.verifier = verifier
-        self._greedy_verifier = GreedyVerifier()
-        self._coupled = CoupledVerifier(self.sampler)
-        self._rejection = RejectionSampler()
+        self.verifiers = VerifierChoice(self.sampler, verifier)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_model_len = int(max_model_len or config_max_len(model))
         self.device = next(model.parameters()).device
@@ -180,17 +173,7 @@ class LLMEngine:
         """A validated request, not queued yet (so a batch can be checked before anything runs)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = list(prompt_token_ids)
-        vocab = self.model.vocab_size
-        if not ids:
-            raise ValueError(f"prompt {index} is empty; give at least one token")
-        if not all(is_int(t) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt {index} holds token ids outside the vocabulary 0..{vocab - 1}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens, max_model_len is {self.max_model_len}: "
-                "shorten the prompt or raise max_model_len"
-            )
+        ids = checked_prompt(prompt_token_ids, self.model.vocab_size, self.max_model_len, index)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = EngineSequence(
             self._next_id,
@@ -347,16 +330,18 @@ class LLMEngine:
         # Only requests whose rows reach their last token sample; a prompt chunk ending earlier emits nothing.
         sampling_seqs = [seqs[i] for i in layout.sampling]
         sampling = None
-        if drafts is None or self.verifier is not None or not all(seq.params.greedy for seq in sampling_seqs):
+        if drafts is None or self.verifiers.needs_sampling_batch() or not all(s.params.greedy for s in sampling_seqs):
             sampling = SamplingBatch.for_sequences(sampling_seqs, self.device) if sampling_seqs else None
         emitted, num_accepted = [[] for _ in seqs], [0] * len(seqs)
         if drafts is None and sampling_seqs:
             for i, token in zip(layout.sampling, self.sampler.sample(logits, sampling).tolist()):
                 emitted[i] = [token]
         elif drafts is not None:  # a request with drafts always samples
-            accepted, verified = self._verify(logits, layout, drafts, sampling)
+            verdict = self.verifiers.verify(logits, layout, drafts.draft_token_ids, drafts.draft_probs, sampling,
+                                            self.num_speculative_tokens)
+            self.spec_stats.count_verified(verdict.verifier, sum(layout.num_drafts[i] > 0 for i in layout.sampling))
             for j, i in enumerate(layout.sampling):
-                num_accepted[i], emitted[i] = accepted[j], verified[j]
+                num_accepted[i], emitted[i] = verdict.num_accepted[j], verdict.emitted[j]
         out = self._commit(seqs, layout, max_drafts, draft_ids, emitted, num_accepted, output, logits, preempted)
         self.draft_counts.step_ended(layout.num_rows, len(seqs), max_drafts)
         return out
@@ -402,25 +387,6 @@ class LLMEngine:
         if not any(ids):
             return None
         return proposal
-
-    def _verify(self, logits, layout: StepLayout, drafts: Proposal, sampling: SamplingBatch | None):
-        """Verify the drafts of the sampling requests (``layout.sampling``); per such request, in order,
-        how many were accepted and the tokens emitted."""
-        k = self.num_speculative_tokens
-        index = layout.sampling
-        padded = torch.tensor([drafts.draft_token_ids[i] + [-1] * (k - len(drafts.draft_token_ids[i])) for i in index],
-                              device=self.device)
-        num_drafts = torch.tensor([layout.num_drafts[i] for i in index], device=self.device)
-        probs = drafts.draft_probs
-        if probs is not None and len(index) < layout.num_requests:
-            probs = probs[torch.tensor(index, device=probs.device)]
-        verifier = self.verifier
-        if verifier is None:
-            verifier = self._greedy_verifier if sampling is None else self._rejection if probs is not None \
-                else self._coupled
-        result = verifier.verify(logits, padded, num_drafts, probs, sampling)
-        self.spec_stats.count_verified(verifier.name, int((num_drafts > 0).sum()))
-        return result.num_accepted.tolist(), result.emitted()
 
     def _commit(self, seqs, layout, chosen, draft_ids, emitted, num_accepted, output, logits, preempted) -> StepOutput:
         """Append what each request emitted, cut every pool back to the verified length, release the

@@ -6,6 +6,23 @@ import enum
 from typing import Iterable, Sequence as TypingSequence
 
 from specdec.sampling.params import SamplingParams
+from specdec.validation import is_int
+
+
+def checked_prompt(token_ids: Iterable[int], vocab_size: int, max_model_len: int, index: int = 0) -> list[int]:
+    """Prompt ``index``'s token ids as a list, or ``ValueError`` (one line, naming the fix) when it is
+    empty, holds ids outside the vocabulary or leaves no room to generate within ``max_model_len``."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError(f"prompt {index} is empty; give at least one token")
+    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt {index} holds token ids outside the vocabulary 0..{vocab_size - 1}")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt {index} has {len(ids)} tokens, max_model_len is {max_model_len}: "
+            "shorten the prompt or raise max_model_len"
+        )
+    return ids
 
 
 class SequenceStatus(enum.Enum):

@@ -87,7 +87,7 @@ def test_seeded_sampling_with_deterministic_drafts_is_plain_sampling(method, k, 
 def test_rejection_sampling_on_the_same_drafts_keeps_the_law_not_the_tokens(prompts, plain):
     llm = LLM(str(zoo_path("llama-tiny")), dtype="float64", kv_cache_memory=ROOMY,
               speculative_config=spec_config("eagle3", 3, draft_sample_method="greedy"))
-    llm.engine.verifier = RejectionSampler()
+    llm.engine.verifiers.fixed = RejectionSampler()
     outputs = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert outputs != plain("llama")
     assert outputs[2] == plain("llama")[2]  # the greedy request's tokens are the argmax's either way

@@ -24,12 +24,13 @@ which the rate peaked (a request's drafts are always a prefix of its chain). Zer
 is a valid answer. It is lossless by construction: only
 how many drafts are verified changes, never how they are verified.
 
-A request left without drafts for :data:`DORMANT_AFTER_STEPS` steps in a row goes *dormant*: it gets
-no drafts again, and the engine tells the proposer (``StepFeedback.dormant``) so that it stops keeping
-the request's draft state. Keeping an EAGLE3 head ready costs every step whether it drafts or not (the
-target captures its aux layers, the proposer keeps their fused states) and resuming costs a catch-up
-over every token missed; a load at which drafts do not pay would otherwise make an adaptive engine
-slower than one that never speculates. Requests admitted later start afresh, so speculation comes back
+A request given drafts in at most :data:`DORMANT_MAX_DRAFTING` of its last :data:`DORMANT_WINDOW`
+steps goes *dormant*: it gets no drafts again, and the engine tells the proposer
+(``StepFeedback.dormant``) so that it stops keeping the request's draft state. Keeping an EAGLE3 head
+ready costs every step whether it drafts or not (the target captures its aux layers, the proposer keeps
+their fused states), and each resumption costs a catch-up over every token missed, so drafting now
+and then costs nearly what drafting every step does; a load at which drafts do not pay would
+otherwise make an adaptive engine slower than one that never speculates. Requests admitted later start afresh, so speculation comes back
 when the load falls.
 
 Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
@@ -48,8 +49,9 @@ import torch
 from specdec.cache.paged_cache import KVCacheError
 from specdec.runtime.layout import StepLayout
 
-# A request given no drafts this many steps in a row gets none again (it goes dormant).
-DORMANT_AFTER_STEPS = 16
+# A request given drafts in at most this many of its last DORMANT_WINDOW steps gets none again (dormant).
+DORMANT_WINDOW = 16
+DORMANT_MAX_DRAFTING = 4
 # Weight (in observations) of the engine-wide rate in a request's estimate.
 PRIOR_WEIGHT = 4.0
 # Before any draft is verified: the conditional acceptance assumed at every position.
@@ -225,7 +227,7 @@ class GoodputController(FixedDrafts):
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
-        self._idle: dict[Hashable, int] = {}  # steps in a row a request has had no drafts
+        self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
         self._drafted: set[Hashable] = set()  # the requests given drafts in the last step
         self._steady = False  # whether every request drafting now also drafted in the step before
@@ -235,8 +237,14 @@ class GoodputController(FixedDrafts):
     # ----- the decision -----
     def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
         """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose forward runs
-        ``base_rows`` rows before drafts."""
+        ``base_rows`` rows before drafts: the best rate's (:meth:`best_counts`), none for dormant requests."""
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
+        counts = self.best_counts(requests, caps, base_rows)
+        self._note_drafting(requests, caps, counts)
+        return counts
+
+    def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
+        """The counts at which the step's expected tokens per second peak (the module docstring)."""
         prior = self.acceptance.engine_rates()
         gains = []  # per request: the probability that each of its drafts 1..cap is accepted
         for request, cap in zip(requests, caps):
@@ -274,19 +282,22 @@ class GoodputController(FixedDrafts):
         counts = [0] * len(requests)
         for i in taken[:best_taken]:
             counts[i] += 1
+        return counts
 
-        # Requests left without drafts for long go dormant.
+    def _note_drafting(self, requests: Sequence[Hashable], caps: Sequence[int], counts: Sequence[int]) -> None:
+        """Record who drafted this step; requests that drafted in few of their last steps go dormant."""
+        full = 1 << DORMANT_WINDOW  # the marker bit, shifted past the window once it has been filled
         for request, cap, count in zip(requests, caps, counts):
-            if count or not cap:
-                self._idle.pop(request, None)
-                continue
-            idle = self._idle[request] = self._idle.get(request, 0) + 1
-            if idle >= DORMANT_AFTER_STEPS:
-                self._dormant.add(request)
-                del self._idle[request]
+            if not cap:
+                continue  # a step it could not draft in (a prompt chunk, its last tokens) says nothing
+            history = (self._history.get(request, 1) << 1) | bool(count)
+            if history >= full:  # the marker reached the window's end: its last steps are all known
+                history = full | (history & (full - 1))
+                if (history & (full - 1)).bit_count() <= DORMANT_MAX_DRAFTING:
+                    self._dormant.add(request)
+            self._history[request] = history
         drafted = {request for request, c in zip(requests, counts) if c}
         self._steady, self._drafted = drafted <= self._drafted, drafted
-        return counts
 
     # ----- what a step taught -----
     def step_began(self) -> None:
@@ -324,7 +335,7 @@ class GoodputController(FixedDrafts):
     def forget(self, request: Hashable) -> None:
         """``request`` finished."""
         self.acceptance.forget(request)
-        self._idle.pop(request, None)
+        self._history.pop(request, None)
         self._dormant.discard(request)
 
     # ----- lockstep under tensor parallelism -----

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.engine.goodput import DORMANT_AFTER_STEPS, AcceptanceEstimates, CostCurve, GoodputController
+from specdec.engine.goodput import DORMANT_MAX_DRAFTING, DORMANT_WINDOW, AcceptanceEstimates, CostCurve, GoodputController
 from specdec.zoo import zoo_path
 
 
@@ -140,7 +140,7 @@ def test_a_step_s_parts_are_timed_into_their_curves():
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():
     controller = _controller(3, lambda rows: 0.01 + 0.001 * rows, lambda n: 0.0005 * n, {"r": 0, "s": 3})
-    for _ in range(DORMANT_AFTER_STEPS - 1):
+    for _ in range(DORMANT_WINDOW - 1):
         assert controller.choose(["r", "s"], [3, 3], base_rows=2)[0] == 0
     assert not controller.is_dormant("r")
     controller.choose(["r", "s"], [3, 3], base_rows=2)
@@ -150,6 +150,29 @@ def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():
     assert controller.choose(["r"], [3], base_rows=1) == [0]
     controller.forget("r")  # finished: the id starts afresh
     assert not controller.is_dormant("r")
+
+
+class Scripted(GoodputController):
+    """Drafts when the script says so, then applies the controller's own dormancy rule."""
+
+    def __init__(self, script):
+        super().__init__(3)
+        self.script = iter(script)
+
+    def best_counts(self, requests, caps, base_rows):
+        drafted = next(self.script)
+        return [cap if drafted else 0 for cap in caps]
+
+
+@pytest.mark.parametrize("drafting", [DORMANT_MAX_DRAFTING, DORMANT_MAX_DRAFTING + 1])
+def test_a_request_drafting_now_and_then_goes_dormant_too(drafting):
+    """Drafting in few of the last steps costs nearly what drafting every step does (each resumption
+    catches up on every token missed): at most DORMANT_MAX_DRAFTING of DORMANT_WINDOW steps is dormant."""
+    script = [True] * drafting + [False] * (DORMANT_WINDOW - drafting)
+    controller = Scripted(script)
+    for _ in script:
+        controller.choose(["r"], [3], base_rows=1)
+    assert controller.is_dormant("r") == (drafting <= DORMANT_MAX_DRAFTING)
 
 
 # ----------------------------------------------------------------------------- through the engine

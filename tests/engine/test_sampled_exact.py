@@ -1,4 +1,5 @@
-"""Seeded sampled speculation is plain seeded sampling, token for token (issue 24), in float64.
+"""Seeded sampled speculation is plain seeded sampling, token for token (issue 24), in float64, and in
+bfloat16 under ``batch_invariant`` (where a row's numbers do not depend on its batch either).
 
 Deterministic drafts (ngram, and the model-based proposers with ``draft_sample_method=greedy``) are
 checked by the coupled verifier, which emits at every position the plain sampler's own draw. So the
@@ -23,6 +24,8 @@ METHODS = {"ngram": "llama", "draft_model": "llama", "eagle3": "llama", "eagle3-
 LENGTHS = [9, 23, 31, 14, 40]  # across 16-token pages
 MAX_TOKENS = 16
 ROOMY = 64 << 20
+# dtype -> the engine options that make it exact: float64 by its precision, bf16 by batch invariance.
+EXACT = {"float64": {}, "bfloat16": {"batch_invariant": True}}
 PARAMS = [
     SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=11),
     SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, top_p=0.9, seed=12),
@@ -41,14 +44,14 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(prompts):
-    """Seeded plain sampling per target, computed once."""
-    done: dict[str, list[list[int]]] = {}
+    """Seeded plain sampling per target and dtype, computed once."""
+    done: dict[tuple[str, str], list[list[int]]] = {}
 
-    def get(target: str) -> list[list[int]]:
-        if target not in done:
-            llm = LLM(str(zoo_path(TARGETS[target])), dtype="float64", kv_cache_memory=ROOMY)
-            done[target] = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-        return done[target]
+    def get(target: str, dtype: str = "float64") -> list[list[int]]:
+        if (target, dtype) not in done:
+            llm = LLM(str(zoo_path(TARGETS[target])), dtype=dtype, kv_cache_memory=ROOMY, **EXACT[dtype])
+            done[target, dtype] = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        return done[target, dtype]
 
     return get
 
@@ -60,22 +63,23 @@ def spec_config(method: str, k: int, **keys) -> dict:
     return {"method": method, "model": str(zoo_path(draft)), "num_speculative_tokens": k, **keys}
 
 
-def tight_llm(method: str, k: int, **keys) -> LLM:
+def tight_llm(method: str, k: int, dtype: str = "float64", **keys) -> LLM:
     """An engine whose KV budget holds the longest request and one 16-token page more: the five requests
     take turns, and running ones that grow are preempted (asserted by the tests)."""
     target, config = str(zoo_path(TARGETS[METHODS[method]])), spec_config(method, k, **keys)
-    roomy = LLM(target, dtype="float64", kv_cache_memory=ROOMY, speculative_config=config)
+    roomy = LLM(target, dtype=dtype, kv_cache_memory=ROOMY, speculative_config=config)
     per_token = sum(p.bytes_per_token() for p in roomy.engine.cache.pools.values())
     budget = per_token * (max(LENGTHS) + MAX_TOKENS + k + 16)
-    return LLM(target, dtype="float64", kv_cache_memory=budget, speculative_config=config)
+    return LLM(target, dtype=dtype, kv_cache_memory=budget, speculative_config=config, **EXACT[dtype])
 
 
+@pytest.mark.parametrize("dtype", list(EXACT))
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_seeded_sampling_with_deterministic_drafts_is_plain_sampling(method, k, prompts, plain):
-    llm = tight_llm(method, k, **({} if method == "ngram" else {"draft_sample_method": "greedy"}))
+def test_seeded_sampling_with_deterministic_drafts_is_plain_sampling(method, k, dtype, prompts, plain):
+    llm = tight_llm(method, k, dtype, **({} if method == "ngram" else {"draft_sample_method": "greedy"}))
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == plain(METHODS[method])
+    assert [o.token_ids for o in outputs] == plain(METHODS[method], dtype)
     assert llm.engine.stats.num_preemptions > 0
     stats = llm.spec_stats()
     assert stats.num_accepted_tokens > 0, "nothing accepted: the check would be vacuous"

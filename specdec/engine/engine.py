@@ -343,7 +343,7 @@ class LLMEngine:
             for j, i in enumerate(layout.sampling):
                 num_accepted[i], emitted[i] = verdict.num_accepted[j], verdict.emitted[j]
         out = self._commit(seqs, layout, max_drafts, draft_ids, emitted, num_accepted, output, logits, preempted)
-        self.draft_counts.step_ended(layout.num_rows, len(seqs), max_drafts)
+        self.draft_counts.step_ended(layout)
         return out
 
     def _admit(self, seqs: list[EngineSequence], reuse) -> None:

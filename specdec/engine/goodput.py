@@ -190,7 +190,7 @@ class FixedDrafts:
     def lap(self, part: str) -> None:
         pass
 
-    def step_ended(self, rows: int, requests: int, chosen: Sequence[int]) -> None:
+    def step_ended(self, layout: StepLayout) -> None:
         pass
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
@@ -229,8 +229,7 @@ class GoodputController(FixedDrafts):
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
-        self._drafted: set[Hashable] = set()  # the requests given drafts in the last step
-        self._steady = False  # whether every request drafting now also drafted in the step before
+        self._drafted: frozenset = frozenset()  # the requests whose drafts the last step verified
         self._laps: dict[str, float] = {}
         self._last = 0.0
 
@@ -296,8 +295,6 @@ class GoodputController(FixedDrafts):
                 if (history & (full - 1)).bit_count() <= DORMANT_MAX_DRAFTING:
                     self._dormant.add(request)
             self._history[request] = history
-        drafted = {request for request, c in zip(requests, counts) if c}
-        self._steady, self._drafted = drafted <= self._drafted, drafted
 
     # ----- what a step taught -----
     def step_began(self) -> None:
@@ -310,21 +307,22 @@ class GoodputController(FixedDrafts):
         self._laps[part] += now - self._last
         self._last = now
 
-    def step_ended(self, rows: int, requests: int, chosen: Sequence[int]) -> None:
-        """The step that began ran ``rows`` target rows for ``requests`` requests, which were given
-        ``chosen`` drafts.
+    def step_ended(self, layout: StepLayout) -> None:
+        """The step that began ran ``layout`` (its rows, and the drafts each request really had).
 
         A drafter that skipped steps first catches up on the tokens it missed (an EAGLE3 head runs over
-        them), which costs more than the chain's depth in forwards; that cost is owed whenever drafting
-        resumes, not chosen now, so the draft curve learns only from steps whose drafting requests all
-        drafted in the step before."""
+        them; over the whole prompt after a request's prefill), which costs more than the chain's depth
+        in forwards; that cost is owed whenever drafting resumes, not chosen now, so the draft curve
+        learns only from steps whose drafting requests all had drafts verified in the step before (drafts
+        offered are not enough: a prefill step is offered drafts and runs none)."""
         self.lap("other")
         laps = self._laps
-        self.target_seconds.observe(rows, laps["target"])
-        self.other_seconds.observe(requests, laps["other"])
-        drafting, depth = sum(c > 0 for c in chosen), max(chosen, default=0)
-        if drafting and self._steady:
-            self.draft_seconds.observe(drafting, laps["draft"] / depth)
+        self.target_seconds.observe(layout.num_rows, laps["target"])
+        self.other_seconds.observe(layout.num_requests, laps["other"])
+        drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)
+        if drafted and drafted <= self._drafted:
+            self.draft_seconds.observe(len(drafted), laps["draft"] / max(layout.num_drafts))
+        self._drafted = drafted
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)

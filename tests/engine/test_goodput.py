@@ -17,9 +17,11 @@ import random
 import time
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.engine.goodput import DORMANT_MAX_DRAFTING, DORMANT_WINDOW, AcceptanceEstimates, CostCurve, GoodputController
+from specdec.runtime.layout import StepLayout
 from specdec.zoo import zoo_path
 
 
@@ -122,7 +124,11 @@ def test_a_step_s_fixed_costs_make_drafts_pay():
 
 def test_a_step_s_parts_are_timed_into_their_curves():
     controller = GoodputController(2)
-    for step in range(2):  # the draft curve learns only once the same requests draft two steps running
+    prefill = StepLayout.build(["a", "b"], [0, 0], [5, 5], [0, 0], torch.device("cpu"))
+    decode = StepLayout.build(["a", "b"], [5, 6], [3, 3], [2, 2], torch.device("cpu"))
+    # The draft curve learns only once the same requests had drafts two steps running (not from the
+    # step after a prefill, which was offered drafts and ran none: its drafter catches up on the prompt).
+    for step, layout in enumerate([prefill, decode, decode]):
         controller.choose(["a", "b"], [2, 2], base_rows=2)
         controller.step_began()
         time.sleep(0.002)
@@ -131,8 +137,8 @@ def test_a_step_s_parts_are_timed_into_their_curves():
         controller.lap("draft")
         time.sleep(0.02)
         controller.lap("target")
-        controller.step_ended(rows=6, requests=2, chosen=[2, 2])
-        assert (2 in controller.draft_seconds.points) == (step == 1)
+        controller.step_ended(layout)
+        assert (2 in controller.draft_seconds.points) == (step == 2)
     assert controller.target_seconds.points[6] >= 0.02
     assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2

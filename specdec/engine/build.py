@@ -13,7 +13,8 @@ from specdec.cache.paged_cache import PagedKVCache
 from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
 from specdec.engine.acceptance_alarm import AcceptanceAlarm, DraftExpectation
-from specdec.engine.engine import LLMEngine, config_max_len
+from specdec.engine.engine import LLMEngine
+from specdec.models.base import config_max_len
 from specdec.engine.pools import register_pools
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.engine_args import EngineArgs

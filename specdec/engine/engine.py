@@ -39,7 +39,7 @@ from specdec.engine.goodput import FixedDrafts, GoodputController, calibrate
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
-from specdec.models.base import CausalLM
+from specdec.models.base import CausalLM, config_max_len
 from specdec.outputs import RequestStep, StepOutput
 from specdec.proposers.base import Proposal, Proposer, StepFeedback
 from specdec.runtime.layout import StepLayout
@@ -444,11 +444,3 @@ class LLMEngine:
         self.stats.num_forward_tokens += layout.num_rows
         self.stats.num_generated_tokens += generated
         return out
-
-
-def config_max_len(model: CausalLM) -> int:
-    """The model config's ``max_position_embeddings`` (the default ``max_model_len``)."""
-    value = getattr(model.hf_config, "max_position_embeddings", None)
-    if not value:
-        raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-    return int(value)

@@ -191,3 +191,11 @@ class CausalLM(PagedModel, Protocol):
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE3's default capture ids (low, mid, high): ``(2, L // 2, L - 3)``."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def config_max_len(model: "CausalLM") -> int:
+    """The model config's ``max_position_embeddings`` (the default ``max_model_len``)."""
+    value = getattr(model.hf_config, "max_position_embeddings", None)
+    if not value:
+        raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+    return int(value)

@@ -40,8 +40,8 @@ from specdec.models.base import ForwardContext
 from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, ProposerPools, StepFeedback
 from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
-from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, ModelOptions, keys_from, option
-from specdec.validation import int_at_least
+from specdec.proposers.eagle3.options import Eagle3Options
+from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, keys_from
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import paged_metadata
 from specdec.sampling.processing import greedy_ids, target_probs
@@ -70,14 +70,6 @@ class _RequestState:
     def known(self) -> int:
         """Hidden indices known so far: the target has computed positions ``< known``."""
         return self.hidden_start + self.hidden.shape[0]
-
-
-@attrs.frozen(kw_only=True)
-class Eagle3Options(ModelOptions):
-    """EAGLE3's keys: the model-based ones and ``draft_tensor_parallel_size`` (vLLM's name): under
-    tensor parallelism the draft layer runs whole on every rank (1) or split over all of them."""
-
-    draft_tensor_parallel_size: int | None = option(int, int_at_least(1, optional=True))
 
 
 @keys_from(Eagle3Options)

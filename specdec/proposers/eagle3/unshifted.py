@@ -47,7 +47,8 @@ from specdec.proposers.eagle3.kv_sharing import (
     prefix_metadata,
     resolve_shared_layer,
 )
-from specdec.proposers.eagle3.proposer import Eagle3Options, Eagle3Proposer
+from specdec.proposers.eagle3.options import Eagle3Options
+from specdec.proposers.eagle3.proposer import Eagle3Proposer
 from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, keys_from, option
 from specdec.validation import boolean, int_at_least
 

@@ -26,7 +26,6 @@ import sys
 from typing import Callable, Iterable, Sequence
 
 import attrs
-import torch
 
 from specdec.backends import invariance
 from specdec.backends.base import AttentionBackend

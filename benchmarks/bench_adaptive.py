@@ -2,14 +2,20 @@
 
     python benchmarks/bench_adaptive.py [--target specdec/zoo/minimax-m3-tiny]
         [--draft specdec/zoo/minimax-m3-tiny-eagle3] [--k 3] [--concurrency 1,4,16,32]
-        [--rounds 3] [--output-len 64] [--temperature 0] [--dtype bfloat16]
+        [--rounds 3] [--output-len 64] [--output-spread 0.5] [--temperature 0] [--dtype bfloat16]
 
 Prompts: windows of the training corpus's validation documents (``specdec.train.corpus``, the split
 the zoo drafts never trained on), ``--input-len`` tokens each. Every configuration (no speculation,
 EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is one ``LLM`` built
 once; a round runs every configuration at every concurrency, in an order that alternates between
-rounds, so the machine's drift falls on all alike. Concurrency c runs batches of c prompts with
-equal output lengths (``ignore_eos``), so exactly c requests are in flight throughout. Reported:
+rounds, so the machine's drift falls on all alike. Concurrency c keeps c requests in flight, as a
+serving benchmark's ``--max-concurrency`` does (``specdec.bench.runner.serve``: a request goes in as
+soon as one finishes), over ``--batches`` times c prompts. Output lengths (``ignore_eos``) are drawn
+once, uniformly within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the
+same for every configuration: with equal lengths, requests without speculation would finish in
+lockstep and the next ones' prompts would all run in one large forward, an advantage no real load
+gives; static batches would understate speculation instead (requests that accept less finish later,
+and their batch runs on nearly empty). Reported:
 output tok/s (median over rounds) and each configuration's ratio to no speculation and to the best
 fixed k, computed within each round; the adaptive rows show the controller's choices
 (``num_drafts_histogram``). Last, the controller's own cost per step at the highest concurrency
@@ -19,12 +25,14 @@ fixed k, computed within each round; the adaptive rows show the controller's cho
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.bench.runner import serve
 from specdec.engine.goodput import GoodputController
 from specdec.runtime.layout import StepLayout
 from specdec.tokenizer import encode
@@ -44,12 +52,10 @@ def held_out_prompts(llm: LLM, count: int, input_len: int) -> list[list[int]]:
     return prompts
 
 
-def throughput(llm: LLM, prompts, concurrency: int, params: SamplingParams) -> tuple[float, list]:
-    started, outputs = time.perf_counter(), []
-    for at in range(0, len(prompts), concurrency):
-        outputs += llm.generate(prompts[at : at + concurrency], params, use_tqdm=False)
-    tokens = sum(len(o.token_ids) for o in outputs)
-    return tokens / (time.perf_counter() - started), [o.token_ids for o in outputs]
+def throughput(llm: LLM, prompts, concurrency: int, params: list[SamplingParams]) -> tuple[float, list]:
+    """Output tokens per second with ``concurrency`` requests in flight, and each request's tokens."""
+    _, _, duration, outputs = serve(llm.engine, prompts, params, concurrency)
+    return sum(map(len, outputs)) / duration, outputs
 
 
 def controller_seconds(k: int, requests: int, repeats: int = 200) -> float:
@@ -86,10 +92,11 @@ def main() -> None:
     parser.add_argument("--method", default="eagle3")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--concurrency", default="1,4,16,32")
-    parser.add_argument("--batches", type=int, default=2, help="batches of c prompts per concurrency c")
+    parser.add_argument("--batches", type=int, default=2, help="c prompts this many times at concurrency c")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output-spread", type=float, default=0.5, help="lengths within this fraction of it")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -103,10 +110,14 @@ def main() -> None:
     configs = {"none": None, **{f"k={k}": spec(k) for k in range(1, args.k + 1)}, f"adaptive k<={args.k}": spec(args.k, True)}
     common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0)
     llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=1)
+    spread = round(args.output_len * args.output_spread)
+    draw = random.Random(0)
+    params = [SamplingParams(max_tokens=draw.randint(args.output_len - spread, args.output_len + spread),
+                             ignore_eos=True, temperature=args.temperature, seed=1)
+              for _ in range(max(levels) * args.batches)]
     prompts = held_out_prompts(llms["none"], max(levels) * args.batches, args.input_len)
     for llm in llms.values():  # warm-up
-        llm.generate(prompts[:2], params, use_tqdm=False)
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)
 
     rates = {(name, c): [] for name in configs for c in levels}
     histograms = {}
@@ -118,7 +129,7 @@ def main() -> None:
             for name in order:
                 llm = llms[name]
                 llm.reset_spec_stats()
-                rate, tokens = throughput(llm, batch, c, params)
+                rate, tokens = throughput(llm, batch, c, params[: len(batch)])
                 rates[name, c].append(rate)
                 outputs.setdefault((name, c), tokens)
                 if name.startswith("adaptive"):
@@ -126,7 +137,7 @@ def main() -> None:
             print(f"round {r + 1} c={c}: " + "  ".join(f"{n} {rates[n, c][-1]:.0f}" for n in configs), flush=True)
 
     print(f"\n{args.target} + {args.method} {args.draft}, {args.dtype}, T={args.temperature}, "
-          f"{args.output_len} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} interleaved rounds")
+          f"{args.output_len} +- {spread} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} interleaved rounds")
     fixed = [f"k={k}" for k in range(1, args.k + 1)]
     for c in levels:
         print(f"\nconcurrency {c}")

@@ -427,3 +427,21 @@ def test_each_temperature_gets_its_rows_and_the_drafts_chosen_are_shown(monkeypa
             assert f"; verifier: {'greedy' if t == '0' else 'rejection'};" in line
     assert f"T=0: outputs identical to the baseline: {n}/{n}" in table
     assert any(x.startswith(f"T=0.7: outputs identical to the baseline: ") and "sampled" in x for x in table)
+
+
+def test_serve_takes_one_sampling_params_per_prompt_and_keeps_the_concurrency(llama):
+    """``runner.serve`` with per-prompt parameters (benchmarks/bench_adaptive.py draws output lengths):
+    each request runs to its own length, and no more than ``concurrency`` are ever in flight."""
+    engine = LLM(llama, dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 22).engine
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 7, 1, 5)]
+    running, step = [], engine.step
+
+    def counting_step():
+        running.append(len(engine.running_ids()))
+        return step()
+
+    engine.step = counting_step
+    records, _, _, outputs = runner.serve(engine, prompts, params, concurrency=2)
+    assert [len(o) for o in outputs] == [3, 7, 1, 5]
+    assert len(records) == 4 and max(running) == 2

@@ -25,12 +25,16 @@ def serve(
     ``follow_up(conversation, t, prompt, output)`` gives the conversation's next prompt (None: it is
     over), which goes in before any new conversation, so a conversation keeps its place.
 
+    ``params``: one ``SamplingParams`` for every request, or one per prompt (a conversation's turns
+    share its prompt's).
+
     Returns the records, the start time, the duration (first hand-over to last token) and the output
     token ids, request by request in input order (conversation by conversation, turn by turn). Every
     first request is validated before the clock starts (as ``LLMEngine.generate`` does), so a prompt
     that can never run fails before any work.
     """
-    seqs = [engine.make_sequence(p, params, index=i) for i, p in enumerate(prompts)]
+    per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    seqs = [engine.make_sequence(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
     done: list[list[tuple[RequestRecord, Any]]] = [[] for _ in seqs]  # per conversation: (record, sequence)
     pending = deque((c, seq, prompt) for c, (seq, prompt) in enumerate(zip(seqs, prompts)))
     in_flight: dict[int, tuple[int, Sequence[int]]] = {}  # index -> (conversation, prompt)
@@ -55,7 +59,7 @@ def serve(
             del in_flight[r.index]
             nxt = follow_up(c, len(done[c]) - 1, prompt, seq.output_token_ids) if follow_up is not None else None
             if nxt is not None:
-                turns.append((c, engine.make_sequence(nxt, params, index=next_index), nxt))
+                turns.append((c, engine.make_sequence(nxt, per_prompt[c], index=next_index), nxt))
                 next_index += 1
         pending.extendleft(reversed(turns))
     duration = clock() - start

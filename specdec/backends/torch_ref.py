@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.base import AttentionMetadata, AttentionOutput, lse_dtype, math_dtype
-from specdec.backends import invariance, pages
+from specdec.backends import invariance, pages, ragged
 from specdec.backends.fixed_split import fixed_split_attention
 from specdec.cache.quant import dequantize
 
@@ -35,18 +35,34 @@ class TorchBackend:
                   scale: float, sliding_window: int | None = None, return_lse: bool = False,
                   k_scale: float | None = None, v_scale: float | None = None) -> AttentionOutput:
         work = math_dtype(q.dtype, q.device)
-        keys = _read(k_cache, meta, k_scale, work)  # [B, S, Hkv, D]
-        values = _read(v_cache, meta, v_scale, work)
-        return _masked_attention(
-            q, keys, values, meta, scale=scale, sliding_window=sliding_window, return_lse=return_lse
-        )
+
+        def attend(q: torch.Tensor, meta: AttentionMetadata) -> AttentionOutput:
+            keys = _read(k_cache, meta, k_scale, work)  # [B, S, Hkv, D]
+            values = _read(v_cache, meta, v_scale, work)
+            return _masked_attention(
+                q, keys, values, meta, scale=scale, sliding_window=sliding_window, return_lse=return_lse
+            )
+
+        return _in_groups(attend, q, meta, return_lse)
 
     def mla_attention(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, *,
                       kv_lora_rank: int, scale: float, return_lse: bool = False,
                       latent_scale: float | None = None) -> AttentionOutput:
-        # [B, S, 1, L + R], in the dtype attention runs in: keys and values are views of one conversion.
-        latent = _read(latent_cache, meta, latent_scale, math_dtype(q.dtype, q.device)).unsqueeze(2)
-        return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
+        def attend(q: torch.Tensor, meta: AttentionMetadata) -> AttentionOutput:
+            # [B, S, 1, L + R], in the dtype attention runs in: keys and values are views of one conversion.
+            latent = _read(latent_cache, meta, latent_scale, math_dtype(q.dtype, q.device)).unsqueeze(2)
+            return _masked_attention(q, latent, latent[..., :kv_lora_rank], meta, scale=scale, return_lse=return_lse)
+
+        return _in_groups(attend, q, meta, return_lse)
+
+
+def _in_groups(attend, q: torch.Tensor, meta: AttentionMetadata, return_lse: bool) -> AttentionOutput:
+    """``attend`` over groups of close query lengths (the padded batch would be mostly padding when a
+    prompt shares a step with decoding requests), or whole in the batch-invariant mode, whose
+    fixed-split path pads nothing and keeps its per-row order whatever the batch."""
+    if invariance.enabled():
+        return attend(q, meta)
+    return ragged.attend_in_groups(attend, q, meta, return_lse=return_lse)
 
 
 def _read(cache: torch.Tensor, meta: AttentionMetadata, scale: float | None, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.backends import invariance
+from specdec.backends import invariance, ragged
 from specdec.backends.base import AttentionMetadata
 from specdec.backends.fixed_split import fixed_split_scores
 from specdec.cache.pool import KVPool, PagedPool
@@ -194,19 +194,36 @@ class MiniMaxM3Indexer(nn.Module):
     ) -> torch.Tensor:
         """Max over each block's visible keys of ``q . k``: ``[T, H_idx, num_blocks]`` (-inf = unseen)."""
         dtype = compute_dtype(q.dtype)
-        batch, seq = keys.shape[:2]
+        seq = keys.shape[1]
         if invariance.enabled():
             scores = fixed_split_scores(q.to(dtype), keys.to(dtype), meta)  # [T, H, S], fixed-shape GEMMs
         else:
-            # Queries padded per request, so the score tensor is [B, H, Q, S] rather than [T, S, D].
-            padded = q.new_zeros(batch, meta.max_query_len, self.num_heads, self.head_dim, dtype=dtype)
-            padded[request, offset] = q.to(dtype)
-            scores = torch.einsum("bqhd,bsd->bqhs", padded, keys.to(dtype))[request, offset]  # [T, H, S]
+            scores = self._padded_scores(q.to(dtype), keys.to(dtype), meta, request, offset)
         future = torch.arange(seq, device=q.device)[None, :] > query_pos[:, None]
         scores = scores.masked_fill(future[:, None, :], float("-inf"))
         num_blocks = -(-seq // self.block_size)
         scores = F.pad(scores, (0, num_blocks * self.block_size - seq), value=float("-inf"))
         return scores.view(*scores.shape[:2], num_blocks, self.block_size).amax(dim=-1)
+
+    def _padded_scores(
+        self, q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetadata, request: torch.Tensor, offset: torch.Tensor
+    ) -> torch.Tensor:
+        """``q . k`` for every query and key of its request, ``[T, H, S]``. Queries are padded per request,
+        so the product is ``[B, Q, H, S]`` rather than ``[T, S, D]``; a batch mixing a prompt with
+        decoding requests is padded group by group (:mod:`specdec.backends.ragged`)."""
+        groups = ragged.query_groups(meta)
+        if groups is None:
+            padded = q.new_zeros(keys.shape[0], meta.max_query_len, self.num_heads, self.head_dim)
+            padded[request, offset] = q
+            return torch.einsum("bqhd,bsd->bqhs", padded, keys)[request, offset]
+        scores = q.new_zeros(q.shape[0], self.num_heads, keys.shape[1])  # keys past a group's reach: masked later
+        for group in groups:
+            sub = group.meta
+            sub_request, sub_offset, _ = query_layout(sub)
+            part = self._padded_scores(q[group.tokens], keys[group.requests, : sub.max_seq_len], sub,
+                                       sub_request, sub_offset)
+            scores[group.tokens, :, : sub.max_seq_len] = part
+        return scores
 
     def select_blocks(self, block_scores: torch.Tensor, query_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """Local blocks plus the best-scoring others, ``index_topk_blocks`` in all, as a key mask

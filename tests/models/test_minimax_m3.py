@@ -23,7 +23,7 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import apply_rotar
 
 from specdec.cache import PagedKVCache
 from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
-from specdec.backends import get_backend
+from specdec.backends import get_backend, ragged
 from specdec.models import CheckpointError, load_model
 from specdec.backends.base import AttentionMetadata
 from specdec.backends.block_sparse import block_sparse_attention
@@ -159,6 +159,44 @@ def test_chunked_prefill_selects_from_cached_indexer_keys(ours):
     one_shot = prefill_logits(ours, batch)
     chunked = prefill_logits(ours, batch, chunks_per_prompt=3)
     torch.testing.assert_close(chunked, one_shot, rtol=1e-10, atol=1e-10)
+
+
+def staggered_greedy(model, batch, steps):
+    """Greedy decoding where prompt 0 arrives one step late, so its whole prefill shares a forward with
+    the others' first decode step. Returns every request's tokens and the logits that chose them."""
+    cache = PagedKVCache(1 << 24)
+    pools = [cache.register(p) for p in model.kv_pools("target", BLOCK, torch.float64)]
+    cache.build()
+    runner = ModelRunner(model, cache, get_backend("torch"), [p.name for p in pools])
+    tokens, logits = {i: [] for i in range(len(batch))}, {i: [] for i in range(len(batch))}
+    chunks = [Chunk(i, batch[i]) for i in range(1, len(batch))]
+    while chunks:
+        out = runner.forward(chunks)
+        for chunk, row in zip(chunks, model.compute_logits(out.hidden_states[last_token_indices(chunks)])):
+            tokens[chunk.request].append(int(row.argmax()))
+            logits[chunk.request].append(row)
+        chunks = [Chunk(i, [tokens[i][-1]]) for i in range(1, len(batch)) if len(tokens[i]) < steps]
+        late = Chunk(0, [tokens[0][-1]]) if tokens[0] else Chunk(0, batch[0])
+        chunks += [late] if len(tokens[0]) < steps else []
+    return [tokens[i] for i in range(len(batch))], [torch.stack(logits[i]) for i in range(len(batch))]
+
+
+def test_a_prompt_prefilled_beside_decoding_requests(text_ckpt, ours, monkeypatch):
+    """One forward holds the others' 1-token queries and a 520-token prefill: attention and the indexer
+    cut it into groups of close query lengths (backends.ragged), which changes nothing but the work."""
+    cut = []
+    compute = ragged._compute_query_groups
+    monkeypatch.setattr(ragged, "_compute_query_groups", lambda meta: cut.append(compute(meta)) or cut[-1])
+    batch, steps = prompts(), 4
+    tokens, logits = staggered_greedy(ours, batch, steps)
+    assert any(groups is not None and len(groups) == 2 for groups in cut)  # the mixed forward was cut
+    assert tokens == transformers_greedy(reference(text_ckpt), batch, steps).tokens
+    monkeypatch.setattr(ragged, "SLACK", 10**9)  # every batch padded whole
+    cut.clear()
+    whole_tokens, whole_logits = staggered_greedy(ours, batch, steps)
+    assert whole_tokens == tokens and all(groups is None for groups in cut)
+    for mine, whole in zip(logits, whole_logits):
+        torch.testing.assert_close(mine, whole, rtol=1e-10, atol=1e-10)
 
 
 def test_multimodal_checkpoint_serves_its_language_model(vl_ckpt, ours):

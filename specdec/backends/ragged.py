@@ -72,32 +72,34 @@ def _unpermute(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def _compute_query_groups(meta: AttentionMetadata) -> list[QueryGroup] | None:
     query_lens = meta.query_lens.tolist()
-    if not _too_padded(query_lens):
+    if not _too_padded(len(query_lens), max(query_lens, default=0), sum(query_lens)):
         return None
-    cuts: list[list[int]] = []
-    for request in sorted(range(len(query_lens)), key=query_lens.__getitem__):
-        candidate = [*cuts[-1], request] if cuts else [request]
-        if cuts and not _too_padded([query_lens[i] for i in candidate]):
-            cuts[-1] = candidate
-        else:
+    order = sorted(range(len(query_lens)), key=query_lens.__getitem__)
+    cuts, rows = [[order[0]]], query_lens[order[0]]  # rows: the real query rows of the open cut
+    for request in order[1:]:  # ascending, so this request is the open cut's longest
+        length = query_lens[request]
+        if _too_padded(len(cuts[-1]) + 1, length, rows + length):
             cuts.append([request])
-    return [_group(meta, sorted(requests), query_lens) for requests in cuts]
+            rows = length
+        else:
+            cuts[-1].append(request)
+            rows += length
+    starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    return [_group(meta, sorted(requests), starts, seq_lens) for requests in cuts]
 
 
-def _too_padded(query_lens: list[int]) -> bool:
-    """Whether padding these requests to the longest wastes more than the slack allows."""
-    return len(query_lens) * max(query_lens, default=0) > SLACK * sum(query_lens) + ALLOWANCE
+def _too_padded(requests: int, longest: int, rows: int) -> bool:
+    """Whether padding ``requests`` requests to the ``longest`` wastes more than the slack allows."""
+    return requests * longest > SLACK * rows + ALLOWANCE
 
 
-def _group(meta: AttentionMetadata, requests: list[int], query_lens: list[int]) -> QueryGroup:
+def _group(meta: AttentionMetadata, requests: list[int], starts: list[int], seq_lens: list[int]) -> QueryGroup:
     device = meta.seq_lens.device
-    starts = meta.query_start_loc.tolist()
     tokens = list(itertools.chain.from_iterable(range(starts[i], starts[i + 1]) for i in requests))
     index = torch.tensor(requests, dtype=torch.int64, device=device)
     token_index = torch.tensor(tokens, dtype=torch.int64, device=device)
-    seq_lens = meta.seq_lens.tolist()
     sub = AttentionMetadata.build(
-        query_lens=[query_lens[i] for i in requests],
+        query_lens=[starts[i + 1] - starts[i] for i in requests],
         seq_lens=[seq_lens[i] for i in requests],
         block_tables=meta.block_tables.index_select(0, index),
         slot_mapping=meta.slot_mapping.index_select(0, token_index),

@@ -213,17 +213,22 @@ class MiniMaxM3Indexer(nn.Module):
         decoding requests is padded group by group (:mod:`specdec.backends.ragged`)."""
         groups = ragged.query_groups(meta)
         if groups is None:
-            padded = q.new_zeros(keys.shape[0], meta.max_query_len, self.num_heads, self.head_dim)
-            padded[request, offset] = q
-            return torch.einsum("bqhd,bsd->bqhs", padded, keys)[request, offset]
+            return self._padded_product(q, keys, meta.max_query_len, request, offset)
         scores = q.new_zeros(q.shape[0], self.num_heads, keys.shape[1])  # keys past a group's reach: masked later
         for group in groups:
             sub = group.meta
             sub_request, sub_offset, _ = query_layout(sub)
-            part = self._padded_scores(q[group.tokens], keys[group.requests, : sub.max_seq_len], sub,
-                                       sub_request, sub_offset)
-            scores[group.tokens, :, : sub.max_seq_len] = part
+            scores[group.tokens, :, : sub.max_seq_len] = self._padded_product(
+                q[group.tokens], keys[group.requests, : sub.max_seq_len], sub.max_query_len, sub_request, sub_offset
+            )
         return scores
+
+    def _padded_product(
+        self, q: torch.Tensor, keys: torch.Tensor, max_query_len: int, request: torch.Tensor, offset: torch.Tensor
+    ) -> torch.Tensor:
+        padded = q.new_zeros(keys.shape[0], max_query_len, self.num_heads, self.head_dim)
+        padded[request, offset] = q
+        return torch.einsum("bqhd,bsd->bqhs", padded, keys)[request, offset]
 
     def select_blocks(self, block_scores: torch.Tensor, query_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """Local blocks plus the best-scoring others, ``index_topk_blocks`` in all, as a key mask

@@ -226,7 +226,11 @@ class MiniMaxM3Indexer(nn.Module):
     def _padded_product(
         self, q: torch.Tensor, keys: torch.Tensor, max_query_len: int, request: torch.Tensor, offset: torch.Tensor
     ) -> torch.Tensor:
-        padded = q.new_zeros(keys.shape[0], max_query_len, self.num_heads, self.head_dim)
+        batch = keys.shape[0]
+        if q.shape[0] == batch * max_query_len:  # every request has max_query_len queries: views, no copies
+            product = torch.einsum("bqhd,bsd->bqhs", q.view(batch, max_query_len, self.num_heads, self.head_dim), keys)
+            return product.flatten(0, 1)
+        padded = q.new_zeros(batch, max_query_len, self.num_heads, self.head_dim)
         padded[request, offset] = q
         return torch.einsum("bqhd,bsd->bqhs", padded, keys)[request, offset]
 

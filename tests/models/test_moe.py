@@ -26,7 +26,7 @@ def naive(experts: FusedExperts, x, chosen, weights) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("num_experts,num_tokens", [(4, 1), (4, 4), (4, 16), (4, 17), (8, 3), (64, 1), (64, 5)])
+@pytest.mark.parametrize("num_experts,num_tokens", [(4, 1), (4, 4), (4, 16), (4, 17), (4, 300), (8, 3), (64, 1), (64, 5)])
 def test_matches_the_per_token_sum(num_experts, num_tokens):
     experts = make_experts(num_experts)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -43,8 +43,9 @@ def test_the_two_schedules_agree_and_the_threshold_picks_them():
     x = torch.randn(6, 16, dtype=torch.float64)
     chosen = torch.tensor([[0, 1], [1, 0], [2, 3], [3, 3], [0, 2], [1, 1]])
     torch.testing.assert_close(experts._every_expert(x, chosen), experts._routed_rows(x, chosen), rtol=1e-12, atol=1e-12)
-    assert 6 * 4 <= FusedExperts.DENSE_MAX_ROWS  # this batch runs dense...
-    assert 256 > FusedExperts.DENSE_MAX_ROWS  # ...and a 256-expert MoE never does, even for one token
+    assert experts.runs_dense(6, 2)  # this batch runs dense ...
+    assert not experts.runs_dense(FusedExperts.DENSE_MAX_ROWS // 4 + 1, 2)  # ... a long prompt does not ...
+    assert not make_experts(256).runs_dense(1, 8)  # ... and a 256-expert MoE never does, even for one token
 
 
 @pytest.mark.skipif(math_dtype(torch.bfloat16, torch.device("cpu")) != torch.float32,

@@ -151,7 +151,8 @@ class LLMEngine:
             config = self.scheduler.config
             calibrate(self.draft_counts, self._forward, cache.free, max_requests=config.max_num_seqs,
                       max_rows=min(config.max_num_seqs * (self.num_speculative_tokens + 1),
-                                   config.max_num_batched_tokens or self.max_model_len))
+                                   config.max_num_batched_tokens or self.max_model_len),
+                      vocab_size=self.model.vocab_size)
         self._seed_rng = random.Random(seed)
         self._next_id = 0
 
@@ -313,7 +314,7 @@ class LLMEngine:
                   for seq in seqs]
         ends = [s + n for s, n in zip(starts, batch.num_new_tokens)]
         samples = [end == seq.num_tokens for seq, end in zip(seqs, ends)]
-        max_drafts = self._choose_drafts(seqs, batch.max_drafts, sum(batch.num_new_tokens))
+        max_drafts = self._choose_drafts(seqs, batch.max_drafts, batch.num_new_tokens.count(1))
         self.draft_counts.lap("other")
         drafts = self._propose(seqs, max_drafts)
         self.draft_counts.lap("draft")
@@ -364,7 +365,8 @@ class LLMEngine:
         return output, self.model.compute_logits(output.hidden_states[layout.verify_rows])
 
     def _choose_drafts(self, seqs: list[EngineSequence], caps: list[int], base_rows: int) -> list[int]:
-        """Each request's drafts this step: the scheduler's cap, or what the adaptive controller chooses under it."""
+        """Each request's drafts this step: the scheduler's cap, or what the adaptive controller chooses
+        under it (``base_rows``: the decoding requests' rows, one each)."""
         chosen = caps
         if any(caps):
             chosen = self.draft_counts.choose([seq.seq_id for seq in seqs], caps, base_rows)
@@ -417,11 +419,13 @@ class LLMEngine:
                     if cache.num_tokens(seq.seq_id, name) > keep:
                         cache.truncate(seq.seq_id, keep, [name])
         if self.proposer is not None:
+            self.draft_counts.lap("other")
             self.proposer.on_step(StepFeedback(
                 seqs, layout, num_accepted, output, tuple(s.seq_id for s in finished), preempted,
                 cache_finished=self.prefix.enabled,
                 dormant=frozenset(s.seq_id for s in seqs if self.draft_counts.is_dormant(s.seq_id)),
             ))
+            self.draft_counts.lap("keep")
             if any(layout.num_drafts):
                 self.spec_stats.observe(layout.num_drafts, num_accepted)
                 if self.alarm is not None:

@@ -30,8 +30,13 @@ steps goes *dormant*: it gets no drafts again, and the engine tells the proposer
 ready costs every step whether it drafts or not (the target captures its aux layers, the proposer keeps
 their fused states), and each resumption costs a catch-up over every token missed, so drafting now
 and then costs nearly what drafting every step does; a load at which drafts do not pay would
-otherwise make an adaptive engine slower than one that never speculates. Requests admitted later start afresh, so speculation comes back
-when the load falls.
+otherwise make an adaptive engine slower than one that never speculates.
+
+Finding that out takes a request :data:`DORMANT_WINDOW` steps of kept state, a large part of a short
+request's life, so a request starts dormant when a step of the present size would give no drafts even
+to requests accepted at the engine-wide rates, once the cost of keeping their draft state is counted
+(:meth:`GoodputController.speculation_pays`). The question is asked afresh for every request
+admitted, so speculation comes back when the load falls.
 
 Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
 which every rank shares, and the cost curves are the driver's (sent with each step's message).
@@ -40,6 +45,8 @@ which every rank shares, and the cost curves are the driver's (sent with each st
 from __future__ import annotations
 
 import heapq
+import itertools
+import operator
 import time
 from typing import Callable, Hashable, Sequence
 
@@ -59,6 +66,11 @@ INITIAL_ACCEPTANCE = 0.6
 # Per observation, older counts fade by this factor (requests change topic; loads change).
 REQUEST_DECAY = 0.95
 ENGINE_DECAY = 0.995
+# Requests start dormant unless drafting promises at least this many times the rate of none.
+ADMIT_GAIN = 1.1
+# A cost curve's observed point weighs as many observations as it has had, up to this many (older
+# ones have faded from its moving average).
+MAX_WEIGHT = 8
 
 
 class CostCurve:
@@ -71,20 +83,25 @@ class CostCurve:
     with the calibration where both exist (the median ratio). So a load the engine has never run at
     (a step with more drafts than any so far) is priced from the calibrated shape at today's level.
 
-    Reading assumes that more work never takes less time: a size costs at most what any larger size
-    costs (so one slow outlier, a step that met a busy machine, does not make its size look dearer than
-    bigger ones); between sizes it interpolates linearly, past the ends it follows the nearest segment
-    (never below zero)."""
+    Reading assumes that more work never takes less time: the points are fitted by the closest
+    non-decreasing costs (least squares, each observed size weighted by how often it was observed, up
+    to :data:`MAX_WEIGHT`: pooled adjacent violators), so an outlier, a step that met a busy machine or
+    a size seen only at short contexts, is averaged with its neighbours rather than believed (which
+    would make its size dearer than bigger ones) or made a bound (which would price every smaller size
+    at one lucky step). Between sizes it interpolates linearly, past the ends it follows the nearest
+    segment (never below zero)."""
 
     def __init__(self, smoothing: float = 0.25):
         self.smoothing = smoothing
         self.points: dict[int, float] = {}  # observed
+        self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
         self.calibrated: dict[int, float] = {}
-        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and bounded costs, when read
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and fitted costs, when read
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.points.get(size)
         self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.weights[size] = min(self.weights.get(size, 0) + 1, MAX_WEIGHT)
         self._curve = None
 
     def calibrate(self, size: int, seconds: float) -> None:
@@ -117,19 +134,35 @@ class CostCurve:
     def _read(self) -> tuple[np.ndarray, np.ndarray]:
         if self._curve is None:
             scale = self.level()
-            merged = {n: c * scale for n, c in self.calibrated.items()} | self.points
+            merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}
+            merged |= {n: (c, self.weights[n]) for n, c in self.points.items()}
             sizes = sorted(merged)
-            costs = np.minimum.accumulate([merged[n] for n in reversed(sizes)])[::-1] if sizes else []
+            costs = non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
             self._curve = np.array(sizes, dtype=np.float64), np.array(costs, dtype=np.float64)
         return self._curve
 
-    def state(self) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-        return tuple(self.points.items()), tuple(self.calibrated.items())
+    def state(self) -> tuple:
+        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items())
 
     def load(self, state) -> None:
-        points, calibrated = state
-        self.points, self.calibrated = dict(points), dict(calibrated)
+        points, weights, calibrated = state
+        self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
         self._curve = None
+
+
+def non_decreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool adjacent
+    violators: a value below the one before it is merged with it into their weighted mean, repeatedly)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + length
+    return [mean for mean, _, length in blocks for _ in range(length)]
 
 
 class AcceptanceEstimates:
@@ -214,10 +247,10 @@ class GoodputController(FixedDrafts):
     """Chooses each request's draft count per step (see the module docstring).
 
     The engine marks a step's parts as they end (:meth:`step_began`, then :meth:`lap` with
-    ``"draft"``, ``"target"`` or ``"other"``, then :meth:`step_ended`): the draft chain, the target's
-    forward, and everything else (scheduling, sampling, verification, bookkeeping: a cost per step
-    that grows with its requests, not with their drafts, and that speculation spreads over more
-    tokens)."""
+    ``"draft"``, ``"target"``, ``"keep"`` or ``"other"``, then :meth:`step_ended`): the draft chain,
+    the target's forward, the proposer keeping its draft state (``on_step``), and everything else
+    (scheduling, sampling, verification, bookkeeping: a cost per step that grows with its requests,
+    not with their drafts, and that speculation spreads over more tokens)."""
 
     def __init__(self, num_speculative_tokens: int, prior: float = INITIAL_ACCEPTANCE,
                  device: torch.device = torch.device("cpu")):
@@ -226,6 +259,7 @@ class GoodputController(FixedDrafts):
         self.target_seconds = CostCurve()  # one target forward, by rows
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
+        self.keep_seconds = CostCurve()  # keeping draft states ready (and catching up), by requests not dormant
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
@@ -235,9 +269,22 @@ class GoodputController(FixedDrafts):
 
     # ----- the decision -----
     def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
-        """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose forward runs
-        ``base_rows`` rows before drafts: the best rate's (:meth:`best_counts`), none for dormant requests."""
+        """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose decoding requests run
+        ``base_rows`` rows before drafts: the best rate's (:meth:`best_counts`), none for dormant requests.
+
+        Prompt rows in the step are left out: they cost the same whatever is chosen, and pricing them
+        would make the choice depend on whether a prompt happens to run beside (the step's rate would
+        fall, and a draft would look worth more than in the same step without the prompt)."""
+        new = [request for request in requests if request not in self._history]
+        if new:
+            dormant = not self.speculation_pays(len(requests))
+            for request in new:
+                self._history[request] = 1  # the marker bit (:meth:`_note_drafting`)
+                if dormant:
+                    self._dormant.add(request)
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
+        if not any(caps):
+            return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
         counts = self.best_counts(requests, caps, base_rows)
         self._note_drafting(requests, caps, counts)
         return counts
@@ -245,25 +292,38 @@ class GoodputController(FixedDrafts):
     def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
         """The counts at which the step's expected tokens per second peak (the module docstring)."""
         prior = self.acceptance.engine_rates()
-        gains = []  # per request: the probability that each of its drafts 1..cap is accepted
-        for request, cap in zip(requests, caps):
-            chain, p = [], 1.0
-            for a in self.acceptance.rates(request, prior)[:cap]:
-                p *= a
-                chain.append(p)
-            gains.append(chain)
+        return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)])
+
+    def speculation_pays(self, num_requests: int) -> bool:
+        """Whether a decode step of ``num_requests`` requests, each accepted at the engine-wide rates and
+        allowed every draft, would give any of them drafts.
+
+        Drafting then costs more than its forwards: every step, whether a request drafts or not, the
+        proposer keeps its draft state (``keep_seconds``: fusing the target's states, catching up after
+        a prompt), which a dormant request does not. And it must promise :data:`ADMIT_GAIN` times the
+        rate of no drafts at all: what the model leaves out (a catch-up on each resumption, steps whose
+        requests draft unevenly, a load priced from curves extrapolated past what has run) all falls
+        on the side of drafting."""
+        chain = _chain(self.acceptance.engine_rates())
+        return any(self._best(num_requests, [chain] * num_requests, keeping=self.keep_seconds(num_requests),
+                              margin=ADMIT_GAIN))
+
+    def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0) -> list[int]:
+        """Best counts for requests whose drafts 1, 2, ... are accepted with probabilities ``gains[i]``;
+        ``keeping``: seconds a step owes only if it drafts at all; drafts only at ``margin`` times the
+        rate of none."""
         # Seconds of the step: the rest of it (whatever the drafts) + the target's forward over its rows
         # (by drafts taken) + the chain's depth times a draft forward over the drafting requests.
-        other = self.other_seconds(len(requests))
+        other = self.other_seconds(len(gains))
         target = self.target_seconds.over(base_rows, base_rows + sum(map(len, gains)))
-        draft = self.draft_seconds.over(0, len(requests))
+        draft = self.draft_seconds.over(0, len(gains))
 
         # Every request in the step emits a token whatever its drafts; each draft adds its gain. A
         # request's gains fall along its chain, so taking drafts in falling order of gain keeps every
         # request's drafts a prefix: the best step is the best of these prefixes.
-        counts = [0] * len(requests)
-        value, depth, drafting = float(len(requests)), 0, 0
-        best_rate, best_taken = value / max(other + target[0], 1e-12), 0
+        counts = [0] * len(gains)
+        value, depth, drafting = float(len(gains)), 0, 0
+        best_rate, best_taken = margin * value / max(other + target[0], 1e-12), 0
         taken = []  # request indices, in the order their drafts were taken
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
         heapq.heapify(heap)
@@ -273,12 +333,12 @@ class GoodputController(FixedDrafts):
             counts[i] += 1
             value, depth = value - gain, max(depth, counts[i])
             taken.append(i)
-            rate = value / max(other + target[len(taken)] + depth * draft[drafting], 1e-12)
+            rate = value / max(other + keeping + target[len(taken)] + depth * draft[drafting], 1e-12)
             if rate > best_rate:
                 best_rate, best_taken = rate, len(taken)
             if counts[i] < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][counts[i]], i))
-        counts = [0] * len(requests)
+        counts = [0] * len(gains)
         for i in taken[:best_taken]:
             counts[i] += 1
         return counts
@@ -298,7 +358,7 @@ class GoodputController(FixedDrafts):
 
     # ----- what a step taught -----
     def step_began(self) -> None:
-        self._laps = {"draft": 0.0, "target": 0.0, "other": 0.0}
+        self._laps = {"draft": 0.0, "target": 0.0, "keep": 0.0, "other": 0.0}
         self._last = clock(self.device)
 
     def lap(self, part: str) -> None:
@@ -314,15 +374,28 @@ class GoodputController(FixedDrafts):
         them; over the whole prompt after a request's prefill), which costs more than the chain's depth
         in forwards; that cost is owed whenever drafting resumes, not chosen now, so the draft curve
         learns only from steps whose drafting requests all had drafts verified in the step before (drafts
-        offered are not enough: a prefill step is offered drafts and runs none)."""
+        offered are not enough: a prefill step is offered drafts and runs none). What the chain's forwards
+        do not explain in the other steps is the catch-up, a cost of keeping up: it joins the keep curve.
+
+        The target curve prices decode rows, so it learns only from steps that run no prompt rows: a
+        prompt's rows cost less each than a verify row's (one long causal run against many short ones),
+        and a step of two prompts would otherwise read as a cheap large step, pulling the curve's
+        non-decreasing fit down at every smaller size."""
         self.lap("other")
         laps = self._laps
-        self.target_seconds.observe(layout.num_rows, laps["target"])
+        if all(rows == 1 + drafts for rows, drafts in zip(layout.query_lens, layout.num_drafts)):
+            self.target_seconds.observe(layout.num_rows, laps["target"])
         self.other_seconds.observe(layout.num_requests, laps["other"])
         drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)
+        keep = laps["keep"]
         if drafted and drafted <= self._drafted:
             self.draft_seconds.observe(len(drafted), laps["draft"] / max(layout.num_drafts))
+        elif drafted and self.draft_seconds.points:
+            keep += max(0.0, laps["draft"] - max(layout.num_drafts) * self.draft_seconds(len(drafted)))
         self._drafted = drafted
+        awake = sum(request not in self._dormant for request in layout.requests)
+        if awake:
+            self.keep_seconds.observe(awake, keep)
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
@@ -346,13 +419,19 @@ class GoodputController(FixedDrafts):
         for curve, points in zip(self._curves(), state):
             curve.load(points)
 
-    def _curves(self) -> tuple[CostCurve, CostCurve, CostCurve]:
-        return self.target_seconds, self.draft_seconds, self.other_seconds
+    def _curves(self) -> tuple[CostCurve, ...]:
+        return self.target_seconds, self.draft_seconds, self.other_seconds, self.keep_seconds
+
+
+def _chain(rates: Sequence[float]) -> list[float]:
+    """The probability that drafts 1..j are all accepted, for each j, from conditional rates."""
+    return list(itertools.accumulate(rates, operator.mul))
 
 
 # ----- the starting target curve -----
 CALIBRATION_MAX_ROWS = 256  # larger forwards are extrapolated until a step measures them
 _CALIBRATION_REQUEST = "goodput-calibration"
+_SPREAD = 7919  # a prime: successive rows' token ids land far apart in the vocabulary
 
 
 def calibrate(
@@ -362,11 +441,17 @@ def calibrate(
     *,
     max_rows: int,
     max_requests: int,
+    vocab_size: int,
 ) -> None:
     """Time target forwards of 1, 2, 4, ... rows (up to ``max_rows``, at most
     :data:`CALIBRATION_MAX_ROWS`) laid out like decode steps (requests of 1 + k rows, at most
     ``max_requests`` of them), on throwaway requests freed after: the target curve's first points.
-    Stops early when the KV cache cannot hold a size (the curve extrapolates from there)."""
+    Stops early when the KV cache cannot hold a size (the curve extrapolates from there).
+
+    The rows carry distinct token ids spread over the vocabulary: a mixture of experts routes equal
+    tokens to the same few experts, and a forward of one token repeated would price its rows like a
+    small dense model's (on the zoo MiniMax-M3, 128 rows cost 2x one row with one token repeated,
+    2.5-3x with distinct ones)."""
     device, rows, measured = controller.device, 1, 0
     while rows <= min(max_rows, CALIBRATION_MAX_ROWS):
         requests = min(rows, max_requests)
@@ -375,7 +460,7 @@ def calibrate(
         layout = StepLayout.build(ids, [0] * requests, [per_request] * requests, [per_request - 1] * requests, device)
         if layout.num_rows <= measured:
             break  # as many requests as may run, each with all its drafts: the largest decode step
-        tokens = [[0] * per_request for _ in ids]
+        tokens = [[(_SPREAD * (i * per_request + j)) % vocab_size for j in range(per_request)] for i in range(requests)]
         try:
             seconds = []
             for _ in range(3):  # the first run warms caches and allocator; the least of the others counts

@@ -1,6 +1,6 @@
 """The adaptive draft controller (``adaptive`` in the speculative config).
 
-- Its parts: the cost curves (interpolation, the monotone bound, extrapolation), the acceptance
+- Its parts: the cost curves (interpolation, the non-decreasing fit, extrapolation), the acceptance
   estimates (conditional per position, shrunk towards the engine-wide rate), and its choices on
   planted costs and acceptance: all drafts when rows are free, none when drafts cost more than they
   bring, more drafts for the requests that are accepted more, dormancy for a request left idle.
@@ -39,10 +39,21 @@ def test_cost_curve_interpolates_bounds_outliers_and_extrapolates():
     assert CostCurve.__call__(curve, 0) >= 0.0
     curve.observe(8, 9.0)  # a slow outlier: the average moves halfway, to 6.0 ...
     assert curve.points[8] == pytest.approx(6.0)
-    assert curve(8) == pytest.approx(5.0)  # ... but 8 rows never cost more than 16 did
+    # ... but 8 rows never cost more than 16: the two are pooled, 8 weighing its two observations.
+    assert curve(8) == curve(16) == pytest.approx((2 * 6.0 + 5.0) / 3)
     copy = CostCurve()
     copy.load(curve.state())
     assert [copy(n) for n in (1, 8, 12, 40)] == [curve(n) for n in (1, 8, 12, 40)]
+
+
+def test_a_cheap_outlier_does_not_price_every_smaller_size():
+    curve = CostCurve()
+    for size in (10, 20, 30):
+        for _ in range(4):
+            curve.observe(size, float(size))
+    curve.observe(40, 5.0)  # one lucky step (short contexts, a quiet machine)
+    assert [curve(n) for n in (10, 20)] == [10.0, 20.0]
+    assert curve(30) == curve(40) == pytest.approx((4 * 30.0 + 5.0) / 5)  # averaged with its neighbour, by weight
 
 
 def test_calibration_gives_the_shape_and_steps_the_level():
@@ -105,7 +116,7 @@ def test_requests_accepted_more_get_more_drafts():
     # A forward's time grows with its rows; drafts themselves are cheap.
     controller = _controller(3, lambda rows: 0.01 + 0.004 * rows, lambda n: 0.0001,
                              {"good": 3, "fair": 1, "poor": 0})
-    chosen = dict(zip(["good", "fair", "poor"], controller.choose(["good", "fair", "poor"], [3, 3, 3], base_rows=3)))
+    chosen = dict(zip(["good", "fair", "poor"], controller.best_counts(["good", "fair", "poor"], [3, 3, 3], base_rows=3)))
     assert chosen["good"] == 3
     assert chosen["good"] > chosen["fair"] >= chosen["poor"]
     assert chosen["poor"] == 0
@@ -117,9 +128,24 @@ def test_a_step_s_fixed_costs_make_drafts_pay():
     # of the step against a token short of one); a second of other work per step (the sampler,
     # bookkeeping: what a request costs whatever its drafts) tips the balance to the first drafts.
     controller = _controller(3, lambda rows: 0.1 * rows, lambda n: 0.001, {r: 1 for r in range(4)})
-    assert controller.choose(list(range(4)), [3] * 4, base_rows=4) == [0] * 4
+    assert controller.best_counts(list(range(4)), [3] * 4, base_rows=4) == [0] * 4
     controller.other_seconds.observe(4, 1.0)
-    assert controller.choose(list(range(4)), [3] * 4, base_rows=4) == [1] * 4
+    assert controller.best_counts(list(range(4)), [3] * 4, base_rows=4) == [1] * 4
+
+
+def test_requests_admitted_where_drafts_do_not_pay_start_dormant():
+    # Forwards cost the same up to 8 rows, then grow in proportion; drafts are cheap and mostly accepted.
+    controller = _controller(3, lambda rows: max(0.02, 0.0025 * rows), lambda n: 0.0001, {"seen": 3})
+    assert controller.speculation_pays(2) and not controller.speculation_pays(16)
+    busy = [f"busy{i}" for i in range(16)]
+    assert controller.choose(busy, [3] * 16, base_rows=16) == [0] * 16
+    assert all(map(controller.is_dormant, busy))  # no state kept for DORMANT_WINDOW steps to learn it
+    assert controller.choose(busy[:2], [3, 3], base_rows=2) == [0, 0]  # the load fell: they stay dormant ...
+    assert controller.choose(["new", *busy[:1]], [3, 3], base_rows=2) == [3, 0]  # ... a request admitted now drafts
+    assert not controller.is_dormant("new")
+    # Keeping draft states ready costs every step, drafting or not: dear enough, it outweighs the drafts.
+    controller.keep_seconds.observe(2, 0.1)
+    assert not controller.speculation_pays(2)
 
 
 def test_a_step_s_parts_are_timed_into_their_curves():
@@ -137,11 +163,16 @@ def test_a_step_s_parts_are_timed_into_their_curves():
         controller.lap("draft")
         time.sleep(0.02)
         controller.lap("target")
+        time.sleep(0.003)
+        controller.lap("keep")
         controller.step_ended(layout)
         assert (2 in controller.draft_seconds.points) == (step == 2)
+    # The target curve prices decode rows: the prompts' step is not one of its points.
+    assert list(controller.target_seconds.points) == [6]
     assert controller.target_seconds.points[6] >= 0.02
     assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
+    assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6]  # by requests not dormant
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():

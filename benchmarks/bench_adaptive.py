@@ -25,7 +25,6 @@ fixed k, computed within each round; the adaptive rows show the controller's cho
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
@@ -33,6 +32,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.runner import serve
+from specdec.bench.workload import output_lengths
 from specdec.engine.goodput import GoodputController
 from specdec.runtime.layout import StepLayout
 from specdec.tokenizer import encode
@@ -111,10 +111,8 @@ def main() -> None:
     common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0)
     llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
     spread = round(args.output_len * args.output_spread)
-    draw = random.Random(0)
-    params = [SamplingParams(max_tokens=draw.randint(args.output_len - spread, args.output_len + spread),
-                             ignore_eos=True, temperature=args.temperature, seed=1)
-              for _ in range(max(levels) * args.batches)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, seed=1)
+              for n in output_lengths(max(levels) * args.batches, args.output_len, args.output_spread, seed=0)]
     prompts = held_out_prompts(llms["none"], max(levels) * args.batches, args.input_len)
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:2], params[:2], use_tqdm=False)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from specdec import LLM, SamplingParams
@@ -234,6 +235,7 @@ def _check_error(code: int, stderr: str, needle: str) -> None:
         (["--temperature", "nan"], None, "temperature (--temperature) must be numbers >= 0"),
         (["--prompt-source", "web"], None, "prompt_source (--prompt-source) must be one of 'held-out', 'synthetic'"),
         (["--prompt-source", "synthetic", "--dataset", "{data}"], ['{"prompt": "x"}'], "give one"),
+        (["--output-spread", "1"], None, "output_spread (--output-spread) must be a number in [0, 1)"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(args, lines, needle, llama, tmp_path, capsys):
@@ -273,7 +275,7 @@ def test_shared_prefix_requests_share_their_system_prompt_and_nothing_else():
                          input_len=SUFFIX, warmup=1)
     w = load_workload(config)
     assert w.source == HELD_OUT and w.messages == [] and len(w.prompts) == 6
-    assert all(len(p) == PREFIX + SUFFIX for p in w.prompts) and w.prompt_lengths(4) == [PREFIX + SUFFIX] * 6
+    assert all(len(p) == PREFIX + SUFFIX for p in w.prompts) and w.prompt_lengths() == [PREFIX + SUFFIX] * 6
     systems = [p[:PREFIX] for p in w.prompts]
     assert systems[0] != systems[1] and all(systems[i] == systems[i % 2] for i in range(6))
     assert len({tuple(p[PREFIX:]) for p in w.prompts}) == 6  # every user suffix its own
@@ -282,7 +284,8 @@ def test_shared_prefix_requests_share_their_system_prompt_and_nothing_else():
 
 
 def test_multi_turn_prompts_extend_the_previous_turn_and_its_output():
-    config = BenchConfig(model=ZOO_LLAMA, workload="multi-turn", num_prompts=3, num_turns=3, input_len=6, warmup=0)
+    config = BenchConfig(model=ZOO_LLAMA, workload="multi-turn", num_prompts=3, num_turns=3, input_len=6, output_len=4,
+                         warmup=0)
     w = load_workload(config)
     assert w.source == HELD_OUT and [len(m) for m in w.messages] == [2, 2, 2]
     llm = LLM(ZOO_LLAMA, dtype="float64", kv_cache_memory=4 << 20)
@@ -295,7 +298,7 @@ def test_multi_turn_prompts_extend_the_previous_turn_and_its_output():
         return nxt
 
     records, _, _, outputs = serve(llm.engine, w.prompts, params, 2, follow_up=follow_up)
-    assert [r.prompt_len for r in records] == w.prompt_lengths(4) == [6, 16, 26] * 3  # conversation by conversation
+    assert [r.prompt_len for r in records] == w.prompt_lengths() == [6, 16, 26] * 3  # conversation by conversation
     for c in range(3):
         turns = [x for x in sent if x[0] == c]
         assert [x[1] for x in turns] == [0, 1, 2]
@@ -383,7 +386,7 @@ def test_each_temperature_gets_its_rows_and_the_drafts_chosen_are_shown(monkeypa
     used = []
 
     def spy(engine, prompts, params, *args, **kwargs):
-        used.append(params.temperature)
+        used.append((params if isinstance(params, SamplingParams) else params[0]).temperature)
         return serve(engine, prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(runner, "serve", spy)
@@ -427,6 +430,22 @@ def test_each_temperature_gets_its_rows_and_the_drafts_chosen_are_shown(monkeypa
             assert f"; verifier: {'greedy' if t == '0' else 'rejection'};" in line
     assert f"T=0: outputs identical to the baseline: {n}/{n}" in table
     assert any(x.startswith(f"T=0.7: outputs identical to the baseline: ") and "sampled" in x for x in table)
+
+
+def test_output_spread_draws_each_request_s_length_once_for_every_run(llama):
+    config = BenchConfig(model=llama, dtype="float64", num_prompts=6, input_len=4, output_len=8, output_spread=0.5,
+                         prompt_source="synthetic", speculative_config=NGRAM, concurrency=2, warmup=1)
+    lens = load_workload(config).output_lens
+    assert lens == load_workload(config).output_lens  # drawn with the seed
+    assert all(4 <= n <= 12 for n in lens) and len(set(lens)) > 1
+    assert load_workload(attrs.evolve(config, output_spread=0.0)).output_lens == [8] * 6
+    result = runner.run_benchmark(config)
+    for run in (result["baseline"], result["speculative"]):  # requests in prompt order
+        assert [r["output_len"] for r in run["requests"]] == lens
+        assert run["total_output_tokens"] == sum(lens)
+    assert result["identical_outputs"] == 6  # greedy float64
+    assert result["settings"]["output_spread"] == 0.5
+    assert "4/8±4" in format_table(result)
 
 
 def test_serve_takes_one_sampling_params_per_prompt_and_keeps_the_concurrency(llama):

@@ -45,7 +45,11 @@ class BenchConfig(EngineArgs):
       ``num_prefixes`` system prompts of ``prefix_len`` tokens + a user suffix of ``input_len``; ``"multi-turn"``:
       ``num_prompts`` conversations of ``num_turns`` turns, each turn's prompt the previous turn's
       prompt + its output + a user message of ``input_len``. Every request generates ``output_len``
-      tokens (``ignore_eos``).
+      tokens (``ignore_eos``), or, with ``output_spread`` r > 0, a length drawn once per request
+      (conversation: for all its turns) uniformly from ``output_len`` x [1 - r, 1 + r] with ``seed``,
+      the same draw for every run (vLLM's ``--random-range-ratio``, for outputs): with equal lengths,
+      requests without speculation finish in lockstep and the next ones' prompts run in one large
+      forward, which no real load gives.
     - ``prompt_source``: where prompts come from without a ``dataset``: ``"held-out"`` (the default
       when the model folder has a tokenizer: text no zoo model trained on, see
       :mod:`specdec.bench.workload`) or ``"synthetic"`` (ids drawn uniformly from the vocabulary
@@ -104,6 +108,11 @@ class BenchConfig(EngineArgs):
                          help="multi-turn: turns per conversation (default: 3)")
     output_len: int = arg(64, validator=int_at_least(1), metavar="N", parse=int,
                           help="tokens generated per request (default: 64)")
+    output_spread: float = arg(0.0, validator=satisfies(lambda v: is_real(v) and 0 <= v < 1, "a number in [0, 1)"),
+                               metavar="R", parse=float,
+                               help="draw each request's output length uniformly within R x --output-len of it, "
+                                    "the same draw for every run (vLLM's --random-range-ratio, for outputs; "
+                                    "default: 0, every request --output-len)")
     concurrency: int = arg(4, validator=int_at_least(1), metavar="N", parse=int,
                            help="requests in flight at most (default: 4)")
     warmup: int = arg(1, validator=int_at_least(0), metavar="N", parse=int,

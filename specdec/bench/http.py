@@ -88,11 +88,14 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], record
     return tokens
 
 
-async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_len: int,
-                          temperature: float, concurrency: int, seed: int, follow_up=None):
+async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]],
+                          output_lens: int | Sequence[int], temperature: float, concurrency: int, seed: int,
+                          follow_up=None):
     """``runner.serve``'s run over HTTP, with the same arguments and results: at most ``concurrency``
     conversations (single requests without ``follow_up``) in flight, each sending its turns one after
-    another."""
+    another, each turn asking for ``output_lens`` tokens (one number, or one per conversation)."""
+    if isinstance(output_lens, int):
+        output_lens = [output_lens] * len(prompts)
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
     records: list[list[RequestRecord]] = [[] for _ in prompts]
@@ -104,7 +107,7 @@ async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[
             while prompt is not None:
                 turn = len(records[c])
                 records[c].append(RequestRecord(len(prompt), time.perf_counter()))
-                body = {"model": model, "prompt": list(prompt), "max_tokens": output_len, "temperature": temperature,
+                body = {"model": model, "prompt": list(prompt), "max_tokens": output_lens[c], "temperature": temperature,
                         "ignore_eos": True, "stream": True, "return_token_ids": True,
                         "seed": seed + c + turn * len(prompts)}
                 outputs[c].append(await _one(client, url, body, records[c][-1]))
@@ -122,8 +125,9 @@ def run_over_http(base_url: str, workload: Workload, *, output_len: int, tempera
                   seed: int, progress) -> dict[str, Any]:
     """One run of ``workload`` against the server at ``base_url``: ``summarize``'s metrics plus
     ``num_preemptions``, ``prefix_cache`` and ``spec_stats`` (from ``/metrics``, None without
-    speculation), ``requests`` and ``speculative_config``. A server keeps its prefix cache across
-    runs: run a workload twice and the second finds the first's pages."""
+    speculation), ``requests`` and ``speculative_config``. Each request asks for its conversation's
+    ``workload.output_lens`` tokens (``output_len``: the warm-up requests'). A server keeps its prefix
+    cache across runs: run a workload twice and the second finds the first's pages."""
     card = server_card(base_url)
     spec = card.get("speculative_config")
     if workload.warmup:
@@ -132,7 +136,7 @@ def run_over_http(base_url: str, workload: Workload, *, output_len: int, tempera
     before = read_counters(base_url)
     progress(f"{workload.description} at concurrency {concurrency} to {base_url}")
     records, start, duration, outputs = asyncio.run(serve_over_http(
-        base_url, card["id"], workload.prompts, output_len, temperature, concurrency, seed, workload.follow_up))
+        base_url, card["id"], workload.prompts, workload.output_lens, temperature, concurrency, seed, workload.follow_up))
     after = read_counters(base_url)
     grew = {name: after.get(name, 0) - before.get(name, 0) for name in
             ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}

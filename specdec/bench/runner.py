@@ -70,13 +70,14 @@ def serve(
 def _max_model_len(config: BenchConfig, workload: Workload) -> int:
     if config.max_model_len is not None:
         return config.max_model_len
-    longest = max(workload.prompt_lengths(config.output_len))
-    needed = longest + config.output_len
+    longest = max(workload.prompt_lengths())
+    needed = longest + max(workload.output_lens)
     limit = getattr(text_config(config.model), "max_position_embeddings", None)
     if limit and needed > limit:
         raise ValueError(
-            f"the longest prompt ({longest} tokens) + --output-len {config.output_len} exceeds "
-            f"the model's max_position_embeddings ({limit}); shorten the prompts or lower --output-len"
+            f"the longest prompt ({longest} tokens) + the longest output ({max(workload.output_lens)} tokens, "
+            f"--output-len and --output-spread) exceeds the model's max_position_embeddings ({limit}); "
+            "shorten the prompts or lower --output-len"
         )
     return needed
 
@@ -97,18 +98,20 @@ def _run(config: BenchConfig, spec, workload: Workload, max_model_len: int, temp
 def _measure(llm, config: BenchConfig, workload: Workload, temperature: float, progress) -> dict[str, Any]:
     from specdec.sampling.params import SamplingParams
 
-    params = SamplingParams(max_tokens=config.output_len, temperature=temperature, ignore_eos=True)
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+
     engine = llm.engine
     if workload.warmup:
         progress(f"warm-up: {len(workload.warmup)} request(s)")
-        serve(engine, workload.warmup, params, config.concurrency)
+        serve(engine, workload.warmup, params(config.output_len), config.concurrency)
         llm.reset_spec_stats()
     progress(f"{workload.description} at concurrency {config.concurrency}")
     preempted = engine.stats.num_preemptions
     cache = engine.prefix_cache_stats()
     queries, hits = cache.queries, cache.hits
-    records, start, duration, outputs = serve(engine, workload.prompts, params, config.concurrency,
-                                              follow_up=workload.follow_up)
+    records, start, duration, outputs = serve(engine, workload.prompts, [params(n) for n in workload.output_lens],
+                                              config.concurrency, follow_up=workload.follow_up)
     result = summarize(records, duration)
     # Recomputed requests slow a run down; a figure worth seeing next to the timings.
     result["num_preemptions"] = engine.stats.num_preemptions - preempted
@@ -147,7 +150,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
                          "servers with --baseline-url")
     workload = load_workload(config)
     max_model_len = _max_model_len(config, workload)
-    lengths = workload.prompt_lengths(config.output_len)
+    lengths = workload.prompt_lengths()
     settings = {
         "model": config.model,
         "speculative_config": spec.to_dict() if spec is not None else None,
@@ -165,6 +168,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "num_conversations": len(workload.prompts),
         "mean_input_len": sum(lengths) / len(lengths),
         "output_len": config.output_len,
+        "output_spread": config.output_spread,
         "concurrency": config.concurrency,
         "warmup": config.warmup,
         "temperature": list(config.temperature),

@@ -73,7 +73,9 @@ def format_table(result: dict[str, Any]) -> str:
         "mean TTFT (ms)", "prefix cache hits/queries",
     ]
     rows = [header]
-    lengths = f"{_length(s['mean_input_len'])}/{_length(s['output_len'])}"
+    spread = s.get("output_spread") or 0
+    output = _length(s["output_len"]) + (f"±{round(s['output_len'] * spread)}" if spread else "")
+    lengths = f"{_length(s['mean_input_len'])}/{output}"
     for label, t, run, d in runs:
         d = d or {}
         rows.append([

@@ -67,6 +67,7 @@ class Workload:
     description: str
     source: str
     messages: list[list[list[int]]] = attrs.Factory(list)
+    output_lens: list[int] = attrs.Factory(list)  # per conversation (every turn of it), set by load_workload
 
     def follow_up(self, conversation: int, turn: int, prompt: Sequence[int], output: Sequence[int]) -> list[int] | None:
         """The next prompt of ``conversation`` once its turn ``turn`` (from 0) turned ``prompt`` into
@@ -74,17 +75,27 @@ class Workload:
         later = self.messages[conversation] if self.messages else ()
         return [*prompt, *output, *later[turn]] if turn < len(later) else None
 
-    def prompt_lengths(self, output_len: int) -> list[int]:
+    def prompt_lengths(self) -> list[int]:
         """Every request's prompt length in run order (conversation by conversation, turn by turn),
-        each request generating ``output_len`` tokens."""
+        each request generating its conversation's ``output_lens`` tokens."""
         lengths = []
         for conversation, prompt in enumerate(self.prompts):
             n = len(prompt)
             lengths.append(n)
             for message in self.messages[conversation] if self.messages else ():
-                n += output_len + len(message)
+                n += self.output_lens[conversation] + len(message)
                 lengths.append(n)
         return lengths
+
+
+def output_lengths(count: int, output_len: int, spread: float, seed: int) -> list[int]:
+    """``count`` output lengths drawn uniformly from ``output_len`` x [1 - spread, 1 + spread] (at
+    least 1), all ``output_len`` when ``spread`` is 0."""
+    if not spread:
+        return [output_len] * count
+    low, high = max(1, round(output_len * (1 - spread))), round(output_len * (1 + spread))
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(count)]
 
 
 def synthetic_windows(lengths: Sequence[int], vocab_size: int, exclude: Sequence[int], seed: int) -> list[list[int]]:
@@ -238,7 +249,14 @@ def _windows(config, tokenizer, lengths: Sequence[int]) -> tuple[list[list[int]]
 
 
 def load_workload(config) -> Workload:
-    """The :class:`Workload` of a :class:`~specdec.bench.config.BenchConfig` (see the module docstring)."""
+    """The :class:`Workload` of a :class:`~specdec.bench.config.BenchConfig` (see the module docstring),
+    with its conversations' output lengths (:func:`output_lengths`)."""
+    workload = _prompts_of(config)
+    lens = output_lengths(len(workload.prompts), config.output_len, config.output_spread, config.seed)
+    return attrs.evolve(workload, output_lens=lens)
+
+
+def _prompts_of(config) -> Workload:
     from specdec.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from live_server import free_port
+from specdec.bench import BenchConfig, load_workload
 from specdec.cli import main
 
 
@@ -33,6 +34,12 @@ def test_bench_over_http_with_a_baseline_server(plain_server, spec_server, llama
     assert main(common) == 0
     table = capsys.readouterr().out
     assert table.startswith(f"server: {spec_server.base}") and "acceptance per position: " in table
+    # Drawn output lengths ask each request for its own max_tokens.
+    assert main([*common, "--output-spread", "0.5", "--json"]) == 0
+    spread = json.loads(capsys.readouterr().out)["speculative"]
+    lens = load_workload(BenchConfig(model=llama, num_prompts=5, input_len=12, output_len=10,
+                                     output_spread=0.5)).output_lens
+    assert [r["output_len"] for r in spread["requests"]] == lens and len(set(lens)) > 1
 
 
 def test_multi_turn_over_http_hits_the_servers_prefix_cache(plain_server, llama, capsys):

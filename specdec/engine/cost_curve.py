@@ -1,0 +1,104 @@
+"""Seconds against a size, learned while the engine runs: what the adaptive controller
+(:mod:`specdec.engine.goodput`) prices a step's parts with."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+# A cost curve's observed point weighs as many observations as it has had, up to this many (older
+# ones have faded from its moving average).
+MAX_WEIGHT = 8
+
+
+class CostCurve:
+    """Seconds against a size (rows in a forward, requests in a draft forward).
+
+    Two kinds of points. *Observed* ones are what the running engine measured at a size, each an
+    exponential moving average. *Calibrated* ones (:meth:`calibrate`) were timed before serving, on
+    throwaway requests with no context, so they have the right shape but not the right level: where a
+    size has no observation of its own, its calibrated cost is scaled by how the observations compare
+    with the calibration where both exist (the median ratio). So a load the engine has never run at
+    (a step with more drafts than any so far) is priced from the calibrated shape at today's level.
+
+    Reading assumes that more work never takes less time: the points are fitted by the closest
+    non-decreasing costs (least squares, each observed size weighted by how often it was observed, up
+    to :data:`MAX_WEIGHT`: pooled adjacent violators), so an outlier, a step that met a busy machine or
+    a size seen only at short contexts, is averaged with its neighbours rather than believed (which
+    would make its size dearer than bigger ones) or made a bound (which would price every smaller size
+    at one lucky step). Between sizes it interpolates linearly, past the ends it follows the nearest
+    segment (never below zero)."""
+
+    def __init__(self, smoothing: float = 0.25):
+        self.smoothing = smoothing
+        self.points: dict[int, float] = {}  # observed
+        self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
+        self.calibrated: dict[int, float] = {}
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and fitted costs, when read
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.points.get(size)
+        self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.weights[size] = min(self.weights.get(size, 0) + 1, MAX_WEIGHT)
+        self._curve = None
+
+    def calibrate(self, size: int, seconds: float) -> None:
+        self.calibrated[size] = seconds
+        self._curve = None
+
+    def __call__(self, size: int) -> float:
+        return self.over(size, size)[0]
+
+    def over(self, first: int, last: int) -> list[float]:
+        """The costs of sizes ``first..last``, in one vectorised reading (a step's choice reads many)."""
+        sizes = np.arange(first, last + 1, dtype=np.float64)
+        xs, ys = self._read()
+        if not len(xs):
+            return [0.0] * len(sizes)
+        if len(xs) == 1:
+            return (ys[0] * sizes / xs[0]).tolist()  # proportional until a second point exists
+        costs = np.interp(sizes, xs, ys)
+        below = ys[0] + (ys[1] - ys[0]) * (sizes - xs[0]) / (xs[1] - xs[0])
+        above = ys[-1] + (ys[-1] - ys[-2]) * (sizes - xs[-1]) / (xs[-1] - xs[-2])
+        costs = np.where(sizes < xs[0], below, np.where(sizes > xs[-1], above, costs))
+        return np.maximum(costs, 0.0).tolist()
+
+    def level(self) -> float:
+        """How observed costs compare with calibrated ones at the sizes both have (1 when none do)."""
+        both = [self.points[n] / self.calibrated[n] for n in self.points.keys() & self.calibrated.keys()
+                if self.calibrated[n] > 0]
+        return float(np.median(both)) if both else 1.0
+
+    def _read(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._curve is None:
+            scale = self.level()
+            merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}
+            merged |= {n: (c, self.weights[n]) for n, c in self.points.items()}
+            sizes = sorted(merged)
+            costs = non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
+            self._curve = np.array(sizes, dtype=np.float64), np.array(costs, dtype=np.float64)
+        return self._curve
+
+    def state(self) -> tuple:
+        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items())
+
+    def load(self, state) -> None:
+        points, weights, calibrated = state
+        self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
+        self._curve = None
+
+
+def non_decreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool adjacent
+    violators: a value below the one before it is merged with it into their weighted mean, repeatedly)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + length
+    return [mean for mean, _, length in blocks for _ in range(length)]

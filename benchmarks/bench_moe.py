@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import timeit
 
 import torch
 
@@ -41,11 +41,8 @@ def experts_of(name: str, dtype: torch.dtype) -> tuple[FusedExperts, int]:
 
 
 def microseconds(call, reps: int) -> float:
-    call()
-    start = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - start) / reps * 1e6
+    call()  # warm
+    return timeit.timeit(call, number=reps) / reps * 1e6
 
 
 def main() -> None:

@@ -260,15 +260,18 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q, k [S, heads, d]``, ``v [S, heads, dv]`` -> ``[S, heads, dv]``."""
-    seq = q.shape[0]
+    """``q [S, heads, d]``, ``k [T, heads, d]``, ``v [T, heads, dv]`` -> ``[S, heads, dv]``: the queries are
+    the last ``S`` of ``T`` positions, query i sees keys ``<= T - S + i``."""
+    S, T = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,thd->hst", q, k) * scale
-    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = torch.ones(S, T, dtype=torch.bool).tril(diagonal=T - S)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hst,thd->shd", probs, v)
 
 
-def _mha(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _mha(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor, prefix: dict | None = None) -> torch.Tensor:
+    """``prefix``: cached (roped) ``k`` and ``v`` of positions before ``positions`` (a target layer's, read
+    by a KV-sharing draft), attended to first."""
     p = "midlayer.self_attn."
     S = x.shape[0]
     q = (x @ w[p + "q_proj.weight"].T).view(S, spec.heads, spec.head_dim)
@@ -276,14 +279,18 @@ def _mha(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor) -> torch.
     v = (x @ w[p + "v_proj.weight"].T).view(S, spec.kv_heads, spec.head_dim)
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.theta)
     q, k = rope_halves(q, cos, sin), rope_halves(k, cos, sin)
+    if prefix is not None:
+        k, v = torch.cat([prefix["k"], k]), torch.cat([prefix["v"], v])
     group = spec.heads // spec.kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = causal_attention(q, k, v, spec.head_dim**-0.5)
     return out.reshape(S, -1) @ w[p + "o_proj.weight"].T
 
 
-def _mla(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Naive (expanded) MLA: per-head keys and values from kv_b_proj, as DeepSeek-V2 writes it."""
+def _mla(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor, prefix: dict | None = None) -> torch.Tensor:
+    """Naive (expanded) MLA: per-head keys and values from kv_b_proj, as DeepSeek-V2 writes it.
+    ``prefix``: the cached ``latent`` (normalised compressed KV, then the roped key part) of positions
+    before ``positions``, expanded and attended to first."""
     p = "midlayer.self_attn."
     S, nope, rope = x.shape[0], spec.nope, spec.rope
     if spec.q_lora_rank is None:
@@ -292,14 +299,18 @@ def _mla(w, spec: DraftSpec, x: torch.Tensor, positions: torch.Tensor) -> torch.
         q = rms(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], spec.eps) @ w[p + "q_b_proj.weight"].T
     q = q.view(S, spec.heads, nope + rope)
     kv_a = x @ w[p + "kv_a_proj_with_mqa.weight"].T
-    c, k_pe = kv_a[:, : spec.kv_lora_rank], kv_a[:, spec.kv_lora_rank :]
-    kv = (rms(c, w[p + "kv_a_layernorm.weight"], spec.eps) @ w[p + "kv_b_proj.weight"].T).view(
-        S, spec.heads, nope + spec.v_head_dim
-    )
-    k_nope, v = kv[..., :nope], kv[..., nope:]
+    rank = spec.kv_lora_rank
+    c = rms(kv_a[:, :rank], w[p + "kv_a_layernorm.weight"], spec.eps)
     cos, sin = rope_cos_sin(positions, rope, spec.theta)
     q_pe = rope_pairs(q[..., nope:], cos, sin)
-    k_pe = rope_pairs(k_pe[:, None, :], cos, sin).expand(S, spec.heads, rope)
+    k_pe = rope_pairs(kv_a[:, None, rank:], cos, sin)
+    if prefix is not None:
+        latent = prefix["latent"]
+        c, k_pe = torch.cat([latent[:, :rank], c]), torch.cat([latent[:, None, rank:], k_pe])
+    T = c.shape[0]
+    kv = (c @ w[p + "kv_b_proj.weight"].T).view(T, spec.heads, nope + spec.v_head_dim)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_pe = k_pe.expand(T, spec.heads, rope)
     query = torch.cat([q[..., :nope], q_pe], dim=-1)
     key = torch.cat([k_nope, k_pe], dim=-1)
     out = causal_attention(query, key, v, (nope + rope) ** -0.5)
@@ -329,14 +340,15 @@ class Reference:
             aux = torch.cat([rms(c, self.w[f"fc_norm.{i}.weight"], s.eps) for i, c in enumerate(chunks)], dim=-1)
         return aux @ self.w["fc.weight"].T
 
-    def layer(self, tokens: list[int], hidden: torch.Tensor, positions: torch.Tensor):
-        """Full recomputation over a whole draft sequence: (post-norm, fed-back hidden), ``[S, H]`` each."""
+    def layer(self, tokens: list[int], hidden: torch.Tensor, positions: torch.Tensor, prefix: dict | None = None):
+        """Full recomputation over a whole draft sequence: (post-norm, fed-back hidden), ``[S, H]`` each;
+        ``prefix``: cached KV of earlier positions the layer attends to first (see :func:`_mha`, :func:`_mla`)."""
         s, w, p = self.spec, self.w, "midlayer."
         embed = w.get("embed_tokens.weight", self.target_embed)[torch.tensor(tokens)]
         e = rms(embed, w[p + "input_layernorm.weight"], s.eps)
         hn = rms(hidden, w[p + "hidden_norm.weight"], s.eps)
         x = torch.cat([e, hn], dim=-1)
-        attn = _mla(w, s, x, positions) if s.is_mla else _mha(w, s, x, positions)
+        attn = (_mla if s.is_mla else _mha)(w, s, x, positions, prefix)
         h = (hn if s.norm_before_residual else hidden) + attn
         m = rms(h, w[p + "post_attention_layernorm.weight"], s.eps)
         h = h + (F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[

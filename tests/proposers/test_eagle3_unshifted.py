@@ -26,11 +26,10 @@ from unshifted_harness import (
     MEMORY,
     PROMPTS,
     SPECS,
-    build_models,
     make_llm,
     record,
+    setup,
     ref_drafts,
-    ref_layer,
     ref_rows,
     target_states,
 )
@@ -39,12 +38,6 @@ from specdec import LLM, SamplingParams
 from specdec.models import load_model
 from specdec.proposers.eagle3.unshifted import UnshiftedEagle3Proposer
 from specdec.runtime.sequence import Sequence as EngineSequence
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """``{name: (target folder, draft folder, Reference)}`` (:func:`unshifted_harness.build_models`)."""
-    return build_models(tmp_path_factory.mktemp("unshifted"))
 
 
 @pytest.fixture(scope="module")
@@ -247,14 +240,14 @@ def test_prompt_attention_reads_exactly_the_mapped_target_layer(name, setup):
     aux = out.aux_hidden_states.double()
     def explicit(prefix):
         toks, hidden, first, pre = ref_rows(ref, seq.token_ids, aux, prompt_len=len(prompt), prefix=prefix)
-        return ref_layer(ref, toks, hidden, torch.arange(first, first + len(toks)), pre)[0]
+        return ref.layer(toks, hidden, torch.arange(first, first + len(toks)), pre)[0]
 
     torch.testing.assert_close(post, explicit(cached[mapped]), rtol=1e-12, atol=1e-12)
     # The check is sharp: another layer's K/V, or the draft's own prompt KV, give other states.
     for other in [i for i in range(pool.num_layers) if i != mapped][:2]:
         assert (post - explicit(cached[other])).abs().max() > 1e-6
     toks, hidden, _, _ = ref_rows(ref, seq.token_ids, aux)
-    own = ref_layer(ref, toks, hidden, torch.arange(len(toks)))[0][-1:]
+    own = ref.layer(toks, hidden, torch.arange(len(toks)))[0][-1:]
     assert (post - own).abs().max() > 1e-6
     # Whatever the mapped layer holds is what the draft reads: overwrite it and the draft follows.
     gen = torch.Generator().manual_seed(0)
@@ -278,10 +271,10 @@ def test_unshifted_rows_and_bootstrap_without_sharing(name, setup):
     positions, post = first_rows(proposer, seq)
     assert positions.tolist() == list(range(len(prompt) + 1))
     toks, hidden, _, _ = ref_rows(ref, seq.token_ids, out.aux_hidden_states)
-    want = ref_layer(ref, toks, hidden, torch.arange(len(toks)))[0]
+    want = ref.layer(toks, hidden, torch.arange(len(toks)))[0]
     torch.testing.assert_close(post, want, rtol=1e-12, atol=1e-12)
     # Another bootstrap changes the states (row 0 and, through attention, the rest).
     ones = torch.ones(1, hidden.shape[-1], dtype=torch.float64)
     toks, hidden, _, _ = ref_rows(ref, seq.token_ids, out.aux_hidden_states, boot=ones)
-    other = ref_layer(ref, toks, hidden, torch.arange(len(toks)))[0]
+    other = ref.layer(toks, hidden, torch.arange(len(toks)))[0]
     assert (post[0] - other[0]).abs().max() > 1e-3

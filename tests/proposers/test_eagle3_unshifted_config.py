@@ -18,9 +18,9 @@ from unshifted_harness import (
     MEMORY,
     PROMPTS,
     SPECS,
-    build_models,
     make_llm,
     record,
+    setup,
     ref_drafts,
     spec_config,
     target_states,
@@ -31,12 +31,6 @@ from specdec.cache import PagedKVCache
 from specdec.proposers.config import parse_speculative_config
 from specdec.proposers.eagle3.unshifted import UnshiftedEagle3Proposer
 from specdec.proposers.registry import create_proposer
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """``{name: (target folder, draft folder, Reference)}`` (:func:`unshifted_harness.build_models`)."""
-    return build_models(tmp_path_factory.mktemp("unshifted"))
 
 
 # ----------------------------------------------------------------------------- mapping and configuration

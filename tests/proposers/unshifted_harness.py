@@ -2,27 +2,19 @@
 
 Targets: a nearly bigram Llama with as many kv heads as heads (so the MHA oracle draft's K/V layout
 matches every target layer's) and a DeepSeek-V3 MLA target whose latent matches the MLA oracle
-draft's (eagle3_oracle.py), so drafts are often accepted; random drafts beside them. The reference is
-written here from FACTS.md section 4 (unshifted rows: token p at position p, hidden h_(p-1), a zero
-bootstrap at position 0; with sharing the draft's rows start at the prompt length and attend over the
-target layer's cached K/V or latent at prompt positions, expanded naively, no cache).
+draft's (eagle3_oracle.py), so drafts are often accepted; random drafts beside them. The reference
+rows are written here from FACTS.md section 4 (unshifted rows: token p at position p, hidden h_(p-1),
+a zero bootstrap at position 0; with sharing the draft's rows start at the prompt length and attend
+over the target layer's cached K/V or latent at prompt positions), over eagle3_reference.py's draft
+layer (the prefix expanded naively, no cache).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.nn.functional as F
 from eagle3_oracle import save_deepseek_target, save_llama_mha_target, target_output_weights, write_oracle_draft
-from eagle3_reference import (
-    DraftSpec,
-    Reference,
-    make_weights,
-    rms,
-    rope_cos_sin,
-    rope_halves,
-    rope_pairs,
-    write_draft,
-)
+from eagle3_reference import DraftSpec, Reference, make_weights, write_draft
 
 from specdec import LLM, SamplingParams
 from specdec.backends import get_backend
@@ -42,6 +34,13 @@ SPECS = {
 }
 # The default mapping: the last target layer whose KV layout is the draft's.
 DEFAULT_LAYER = {"llama": LLAMA_LAYERS - 1, "deepseek": 2}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """``{name: (target folder, draft folder, Reference)}`` (:func:`build_models`), once per test module
+    that imports it."""
+    return build_models(tmp_path_factory.mktemp("unshifted"))
 
 
 def build_models(root):
@@ -111,64 +110,6 @@ def target_states(folder, aux_ids, sequences, layer: int | None):
     return result
 
 
-def _mha(w, s: DraftSpec, x, positions, prefix):
-    a = "midlayer.self_attn."
-    S = x.shape[0]
-    q = (x @ w[a + "q_proj.weight"].T).view(S, s.heads, s.head_dim)
-    k = (x @ w[a + "k_proj.weight"].T).view(S, s.kv_heads, s.head_dim)
-    v = (x @ w[a + "v_proj.weight"].T).view(S, s.kv_heads, s.head_dim)
-    cos, sin = rope_cos_sin(positions, s.head_dim, s.theta)
-    q, k = rope_halves(q, cos, sin), rope_halves(k, cos, sin)
-    if prefix is not None:  # the target's cached (roped) keys and values at the prompt positions
-        k, v = torch.cat([prefix["k"], k]), torch.cat([prefix["v"], v])
-    group = s.heads // s.kv_heads
-    out = _attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), s.head_dim**-0.5)
-    return out.reshape(S, -1) @ w[a + "o_proj.weight"].T
-
-
-def _mla(w, s: DraftSpec, x, positions, prefix):
-    """Naive MLA: every key and value expanded from its latent through the draft's kv_b_proj."""
-    a = "midlayer.self_attn."
-    S, nope, rope, rank = x.shape[0], s.nope, s.rope, s.kv_lora_rank
-    q = (x @ w[a + "q_proj.weight"].T).view(S, s.heads, nope + rope)
-    kv_a = x @ w[a + "kv_a_proj_with_mqa.weight"].T
-    c = rms(kv_a[:, :rank], w[a + "kv_a_layernorm.weight"], s.eps)
-    cos, sin = rope_cos_sin(positions, rope, s.theta)
-    q_pe = rope_pairs(q[..., nope:], cos, sin)
-    k_pe = rope_pairs(kv_a[:, None, rank:], cos, sin)
-    if prefix is not None:  # the target's latent: normalised compressed KV, then the roped key part
-        latent = prefix["latent"]
-        c, k_pe = torch.cat([latent[:, :rank], c]), torch.cat([latent[:, None, rank:], k_pe])
-    T = c.shape[0]
-    kv = (c @ w[a + "kv_b_proj.weight"].T).view(T, s.heads, nope + s.v_head_dim)
-    key = torch.cat([kv[..., :nope], k_pe.expand(T, s.heads, rope)], dim=-1)
-    out = _attention(torch.cat([q[..., :nope], q_pe], dim=-1), key, kv[..., nope:], (nope + rope) ** -0.5)
-    return out.reshape(S, -1) @ w[a + "o_proj.weight"].T
-
-
-def _attention(q, k, v, scale):
-    """Queries are the last ``S`` of ``T`` keys: query i sees keys ``<= T - S + i``."""
-    S, T = q.shape[0], k.shape[0]
-    scores = torch.einsum("shd,thd->hst", q, k) * scale
-    mask = torch.ones(S, T, dtype=torch.bool).tril(diagonal=T - S)
-    return torch.einsum("hst,thd->shd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
-
-
-def ref_layer(ref: Reference, tokens, hidden, positions, prefix=None):
-    """The draft's layer over a whole row sequence, (post-norm, fed-back hidden)."""
-    s, w, p = ref.spec, ref.w, "midlayer."
-    embed = w.get("embed_tokens.weight", ref.target_embed)[torch.tensor(tokens)]
-    e = rms(embed, w[p + "input_layernorm.weight"], s.eps)
-    hn = rms(hidden, w[p + "hidden_norm.weight"], s.eps)
-    x = torch.cat([e, hn], dim=-1)
-    h = (hn if s.norm_before_residual else hidden) + (_mla if s.is_mla else _mha)(w, s, x, positions, prefix)
-    m = rms(h, w[p + "post_attention_layernorm.weight"], s.eps)
-    h = h + (F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[
-        p + "mlp.down_proj.weight"].T
-    post = rms(h, w["norm.weight"], s.eps)
-    return post, (post if s.norm_output else h)
-
-
 def ref_rows(ref: Reference, tokens, aux, *, prompt_len=0, prefix=None, boot=None):
     """Unshifted rows over ``tokens`` (t_0..t_(n-1)): row p = (t_p, h_(p-1)) at position p, h_(-1) = boot
     (zeros by default). With a ``prefix`` (target KV of positions < prompt_len) rows start at prompt_len."""
@@ -185,7 +126,7 @@ def ref_drafts(ref: Reference, tokens, aux, k, *, prompt_len=0, prefix=None) -> 
     toks, hidden, first, prefix = ref_rows(ref, tokens, aux, prompt_len=prompt_len, prefix=prefix)
     drafts = []
     for _ in range(k):
-        post, nxt = ref_layer(ref, toks, hidden, torch.arange(first, first + len(toks)), prefix)
+        post, nxt = ref.layer(toks, hidden, torch.arange(first, first + len(toks)), prefix)
         draft = int(ref.target_ids[int(ref.logits(post[-1]).argmax())])
         drafts.append(draft)
         toks.append(draft)

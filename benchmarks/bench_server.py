@@ -83,7 +83,7 @@ def main() -> None:
     try:
         for label in ("plain", "spec"):  # warm-up, uncounted
             serve(engines[label].engine, prompts[:2], params, 2)
-            asyncio.run(serve_http(servers[label][1], target, prompts[:2], args.output_len, 0.0, 2, 0))
+            asyncio.run(serve_http(servers[label][1], target, prompts[:2], [args.output_len] * 2, 0.0, 2, 0))
         tps = {key: [] for key in ("inproc plain", "http plain", "inproc spec", "http spec")}
         last = {}
         for _ in range(args.repeats):
@@ -93,7 +93,7 @@ def main() -> None:
                 base = servers[label][1]
                 before = read_counters(base)
                 records, _, duration, outputs = asyncio.run(
-                    serve_http(base, target, prompts, args.output_len, 0.0, args.concurrency, 0))
+                    serve_http(base, target, prompts, [args.output_len] * len(prompts), 0.0, args.concurrency, 0))
                 run = summarize(records, duration)
                 run["num_preemptions"] = 0
                 run["spec_stats"] = spec_stats_between(before, read_counters(base), args.k) if label == "spec" else None

@@ -88,14 +88,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], record
     return tokens
 
 
-async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]],
-                          output_lens: int | Sequence[int], temperature: float, concurrency: int, seed: int,
-                          follow_up=None):
+async def serve_over_http(base_url: str, model: str, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
+                          temperature: float, concurrency: int, seed: int, follow_up=None):
     """``runner.serve``'s run over HTTP, with the same arguments and results: at most ``concurrency``
     conversations (single requests without ``follow_up``) in flight, each sending its turns one after
-    another, each turn asking for ``output_lens`` tokens (one number, or one per conversation)."""
-    if isinstance(output_lens, int):
-        output_lens = [output_lens] * len(prompts)
+    another, each turn of conversation c asking for ``output_lens[c]`` tokens."""
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
     records: list[list[RequestRecord]] = [[] for _ in prompts]
@@ -132,7 +129,8 @@ def run_over_http(base_url: str, workload: Workload, *, output_len: int, tempera
     spec = card.get("speculative_config")
     if workload.warmup:
         progress(f"warm-up: {len(workload.warmup)} request(s) to {base_url}")
-        asyncio.run(serve_over_http(base_url, card["id"], workload.warmup, output_len, temperature, concurrency, seed))
+        asyncio.run(serve_over_http(base_url, card["id"], workload.warmup, [output_len] * len(workload.warmup),
+                                    temperature, concurrency, seed))
     before = read_counters(base_url)
     progress(f"{workload.description} at concurrency {concurrency} to {base_url}")
     records, start, duration, outputs = asyncio.run(serve_over_http(

@@ -13,7 +13,8 @@ tokens per second:
 - expected tokens: ``1 + sum_j prod_{m <= j} a_m`` for a request given j drafts, with ``a_m`` its
   estimated acceptance at position m given the drafts before it were accepted
   (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates);
-- seconds: the target forward over the step's rows, plus the draft chain (its depth times the
+- seconds: the target forward over the step's decode and verify rows (a prompt's cost the same
+  whatever is chosen), plus the draft chain (its depth times the
   seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
   sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s measured
   by every step; the target's shape at sizes not run yet comes from forwards of growing size timed

@@ -41,6 +41,20 @@ def test_acceptance_estimates_are_conditional_and_shrunk_to_the_engine_rate():
     assert estimates.rates("a") == estimates.engine_rates()
 
 
+def test_a_position_never_offered_takes_the_rate_of_the_one_before():
+    # Drafts beyond the first are offered only when they are expected to pay: a constant prior there
+    # (0.6 here) would keep a draft accepted this often from being offered a second draft at all.
+    estimates = AcceptanceEstimates(3, prior=0.6)
+    for _ in range(100):
+        estimates.observe("r", 1, 1)  # one draft a step, always accepted
+    rates = estimates.engine_rates()
+    assert rates[0] > 0.95 and rates == [rates[0]] * 3
+    for _ in range(100):
+        estimates.observe("r", 3, 1)  # the second now offered, and always refused
+    assert estimates.engine_rates()[1] < 0.1
+    assert estimates.engine_rates()[2] == pytest.approx(estimates.engine_rates()[1])  # still never reached
+
+
 def _controller(k: int, target, draft, acceptance: dict) -> GoodputController:
     """A controller with planted costs (``target(rows)``, ``draft(requests)`` per forward, seconds) and
     acceptance (request -> its observed accept pattern, repeated)."""

@@ -140,17 +140,19 @@ class WorkerGroup:
         self._closed.set()
         if sync is not None and sync.interrupted:
             sync = None
+        stopped = False
         if sync is not None:
             try:
                 sync.stop()
+                stopped = True
             except Exception:  # noqa: BLE001 - a worker already gone; end the rest below
                 pass
+        ps.shutdown(together=stopped)  # the stopped workers leave the group with the driver
         for process in self._processes.values():
-            process.join(timeout=10 if sync is not None else 0)
+            process.join(timeout=10 if stopped else 0)
             if process.exitcode is None:
                 process.kill()
                 process.join(timeout=5)
-        ps.shutdown()
         torch.set_num_threads(self._threads)
         if self._store is not None:
             self._store.unlink(missing_ok=True)
@@ -180,7 +182,7 @@ def run_worker(rank: int, size: int, init_method: str, args: EngineArgs) -> None
             engine.step()
     except StopWorker:
         pass
-    ps.shutdown()
+    ps.shutdown(together=True)
     sys.exit(0)
 
 

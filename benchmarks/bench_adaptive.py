@@ -17,8 +17,9 @@ lockstep and the next ones' prompts would all run in one large forward, an advan
 gives; static batches would understate speculation instead (requests that accept less finish later,
 and their batch runs on nearly empty). Reported:
 output tok/s (median over rounds) and each configuration's ratio to no speculation and to the best
-fixed k, computed within each round; the adaptive rows show the controller's choices
-(``num_drafts_histogram``). Last, the controller's own cost per step at the highest concurrency
+fixed k, computed within each round; the adaptive rows show the controller's choices in every
+round (``num_drafts_histogram``: one engine serves every level in turn, so what it chooses at a level
+may depend on the levels run before). Last, the controller's own cost per step at the highest concurrency
 (choose + observe over that many requests) against the plain decode step there.
 """
 
@@ -118,7 +119,7 @@ def main() -> None:
         llm.generate(prompts[:2], params[:2], use_tqdm=False)
 
     rates = {(name, c): [] for name in configs for c in levels}
-    histograms = {}
+    histograms = {c: [] for c in levels}  # the adaptive configuration's choices, round by round
     outputs = {}  # first round's tokens per (configuration, concurrency)
     for r in range(args.rounds):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
@@ -131,7 +132,7 @@ def main() -> None:
                 rates[name, c].append(rate)
                 outputs.setdefault((name, c), tokens)
                 if name.startswith("adaptive"):
-                    histograms[c] = llm.spec_stats().num_drafts_histogram
+                    histograms[c].append(llm.spec_stats().num_drafts_histogram)
             print(f"round {r + 1} c={c}: " + "  ".join(f"{n} {rates[n, c][-1]:.0f}" for n in configs), flush=True)
 
     print(f"\n{args.target} + {args.method} {args.draft}, {args.dtype}, T={args.temperature}, "
@@ -148,7 +149,7 @@ def main() -> None:
             line = (f"  {name:14s} {statistics.median(per_round):8.1f} tok/s  x{vs_none:.2f} of none  "
                     f"x{vs_best:.2f} of best fixed k  outputs identical to none {identical}/{len(outputs[name, c])}")
             if name.startswith("adaptive"):
-                line += f"  drafts chosen (0..k) {histograms[c]}"
+                line += f"  drafts chosen (0..k) by round {histograms[c]}"
             print(line)
     top = max(levels)
     spent = controller_seconds(args.k, top)

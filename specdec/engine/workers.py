@@ -147,12 +147,14 @@ class WorkerGroup:
                 stopped = True
             except Exception:  # noqa: BLE001 - a worker already gone; end the rest below
                 pass
-        ps.shutdown(together=stopped)  # the stopped workers leave the group with the driver
+        if stopped:
+            ps.shutdown(together=True)  # the stopped workers leave the group with the driver, then exit
         for process in self._processes.values():
             process.join(timeout=10 if stopped else 0)
             if process.exitcode is None:
                 process.kill()
                 process.join(timeout=5)
+        ps.shutdown()  # otherwise once they are gone
         torch.set_num_threads(self._threads)
         if self._store is not None:
             self._store.unlink(missing_ok=True)

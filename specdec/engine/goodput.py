@@ -60,7 +60,8 @@ from specdec.runtime.layout import StepLayout
 # A request given drafts in at most this many of its last DORMANT_WINDOW steps gets none again (dormant).
 DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
-# Weight (in observations) of the engine-wide rate in a request's estimate.
+# Weight (in observations) of the prior in an estimate: the engine-wide rate in a request's, the
+# position before's (the first position's: INITIAL_ACCEPTANCE) in the engine-wide rates.
 PRIOR_WEIGHT = 4.0
 # Before any draft is verified: the conditional acceptance assumed at every position.
 INITIAL_ACCEPTANCE = 0.6

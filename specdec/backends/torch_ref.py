@@ -140,20 +140,47 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             lse = lse.reshape(num_tokens, num_heads) if uniform else lse[request, offset]
     else:
         sees_all = uniform and _sees_every_key(meta, sliding_window)
+        # A KV head's query heads fold into its query rows where that is faster (:func:`_folded_gqa`);
+        # each row then needs its query's bias, repeated per head of the group.
+        group = num_heads // keys.shape[1]
+        rows_per_query = group if group > 1 and 1 < meta.max_query_len <= FOLD_MAX_QUERY_LEN else 1
         if custom is not None:
-            bias = _score_bias(custom if sees_all else _layout_mask_of(meta, sliding_window) & custom, work)
+            bias = _score_bias(custom if sees_all else _layout_mask_of(meta, sliding_window) & custom, work,
+                               rows_per_query)
         else:  # the layout's mask alone: one bias per forward, for every layer
             bias = None if sees_all else meta.derived(
-                ("torch_ref.bias", sliding_window, work), lambda m: _score_bias(_layout_mask_of(m, sliding_window), work)
+                ("torch_ref.bias", sliding_window, work, rows_per_query),
+                lambda m: _score_bias(_layout_mask_of(m, sliding_window), work, rows_per_query),
             )
         # torch's fused kernel (float32 accumulation for half types; GQA without repeating K/V). Rows
         # that see no key come back as 0, which tests/backends/test_torch_ref.py holds it to.
-        out = F.scaled_dot_product_attention(
-            padded_q.transpose(1, 2), keys, values, attn_mask=bias, scale=scale, enable_gqa=True
-        )
+        queries = padded_q.transpose(1, 2)  # [B, H, Q, D]
+        if rows_per_query > 1:
+            out = _folded_gqa(queries, keys, values, bias, scale)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2)  # [B, max_query_len, H, Dv]
     out = (out.reshape(num_tokens, num_heads, -1) if uniform else out[request, offset]).to(out_dtype)
     return (out, lse) if return_lse else out
+
+
+# Longest per-request query run whose GQA groups fold into the query rows (:func:`_folded_gqa`): verify
+# steps and short chunks. Past it the repeated bias grows with the prompt and folding gains nothing.
+FOLD_MAX_QUERY_LEN = 16
+
+
+def _folded_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """``q [B, H, Q, D]`` with each KV head's query heads as ``group * Q`` rows of one attention over
+    ``keys/values [B, Hkv, S, *]`` (``bias [B, 1, group * Q, S]``, :func:`_score_bias`). The same
+    arithmetic per row as ``enable_gqa``, but torch's CPU kernel runs several queries per request
+    1.3-3.8x faster this way (bf16, 1 to 32 requests of 150 to 600 keys, 2 to 6 queries, 2 to 4 heads a
+    group); one query runs up to 1.7x slower, so decode keeps ``enable_gqa``."""
+    batch, num_heads, max_query, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    rows = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads * max_query, head_dim)  # h = kv * group + g
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=bias, scale=scale)
+    return out.view(batch, num_heads, max_query, -1)
 
 
 def _layout_mask_of(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -161,11 +188,12 @@ def _layout_mask_of(meta: AttentionMetadata, sliding_window: int | None) -> torc
     return meta.derived(("torch_ref.mask", sliding_window), lambda m: _layout_mask(m, sliding_window))
 
 
-def _score_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _score_bias(mask: torch.Tensor, dtype: torch.dtype, rows_per_query: int = 1) -> torch.Tensor:
     """A bool ``mask [B, Q, S]`` as the ``[B, 1, Q, S]`` scores' bias: 0 where a key is seen, ``-inf``
-    elsewhere. SDPA turns a bool mask into exactly this on every call; a forward's layers share one."""
+    elsewhere. SDPA turns a bool mask into exactly this on every call; a forward's layers share one.
+    With ``rows_per_query`` g > 1: ``[B, 1, g * Q, S]``, row ``j * Q + i`` query i's (folded GQA)."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias[:, None]
+    return bias[:, None] if rows_per_query == 1 else bias[:, None].repeat(1, 1, rows_per_query, 1)
 
 
 def _explicit_attention(

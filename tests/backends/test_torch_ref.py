@@ -122,19 +122,26 @@ def test_write_kv_places_values_at_their_slots():
     assert layer["k"].count_nonzero() == k.count_nonzero()
 
 
-def test_sliding_window_and_custom_mask_restrict_keys():
-    q, k_cache, v_cache, meta, slots = build_case("prefill", 2, 2, 4, seed=5)
+@pytest.mark.parametrize("shape", ["prefill", "verify"])
+@pytest.mark.parametrize("num_heads", [2, 6])
+def test_sliding_window_and_custom_mask_restrict_keys(shape, num_heads):
+    """Each query sees only its own key (a window of 1, or a custom mask): the output is its own value,
+    with and without grouped query heads (verify batches fold a KV head's query heads into its rows)."""
+    q, k_cache, v_cache, meta, slots = build_case(shape, num_heads, 2, 4, seed=5)
     backend = TorchBackend()
     windowed = backend.attention(q, k_cache, v_cache, meta, scale=1.0, sliding_window=1)
     # A window of 1 means each query sees only its own key: output equals its own value.
-    own_values = torch.cat([v_cache.view(-1, 2, 16)[s] for s in slots])
+    group = num_heads // 2
+    query_lens = meta.query_lens.tolist()
+    own_values = torch.cat([v_cache.view(-1, 2, 16)[s[len(s) - ql :]] for s, ql in zip(slots, query_lens)])
+    own_values = own_values.repeat_interleave(group, dim=1)
     torch.testing.assert_close(windowed, own_values, rtol=1e-12, atol=1e-12)
     eye = torch.zeros(meta.num_query_tokens, meta.max_seq_len, dtype=torch.bool)
     start = 0
-    for i in range(meta.num_requests):
+    for i, ql in enumerate(query_lens):
         seq = int(meta.seq_lens[i])
-        eye[start : start + seq, :seq] = torch.eye(seq, dtype=torch.bool)
-        start += seq
+        eye[start : start + ql, :seq] = torch.eye(seq, dtype=torch.bool)[seq - ql :]
+        start += ql
     masked = backend.attention(q, k_cache, v_cache, attrs.evolve(meta, custom_mask=eye), scale=1.0)
     torch.testing.assert_close(masked, own_values, rtol=1e-12, atol=1e-12)
 

@@ -154,6 +154,23 @@ def test_block_selection_really_drops_blocks(ours):
     assert change[2] < 1e-12
 
 
+def test_the_indexer_scores_only_where_it_can_drop_a_block(ours, monkeypatch):
+    """A forward whose requests hold at most ``index_topk_blocks`` blocks of keys keeps every block it
+    can see: the indexer writes its keys but returns no mask, and the logits are what scoring gives."""
+    masks = []
+    indexer = type(next(l.self_attn.indexer for l in ours.model.layers if l.self_attn.indexer is not None))
+    forward = indexer.forward
+    monkeypatch.setattr(indexer, "forward", lambda self, *args: masks.append(forward(self, *args)) or masks[-1])
+    batch = prompts()  # 520 and 300 tokens: more than 2 blocks of 128
+    short = 2
+    beside_long = prefill_logits(ours, batch)[short]
+    assert all(mask is not None for mask in masks)
+    masks.clear()
+    alone = prefill_logits(ours, [batch[short]])[0]  # 90 tokens: one block
+    assert masks and all(mask is None for mask in masks)
+    torch.testing.assert_close(alone, beside_long, rtol=1e-12, atol=1e-12)
+
+
 def test_chunked_prefill_selects_from_cached_indexer_keys(ours):
     batch = prompts()
     one_shot = prefill_logits(ours, batch)

@@ -24,11 +24,22 @@ class RMSNorm(nn.Module):
     ``unit_offset`` is Gemma's ``(1 + weight)`` scaling.
     """
 
+    prepared: torch.Tensor | None = None  # ``1 + weight`` in the reduction's dtype, after prepack_weights
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.unit_offset = unit_offset
+
+    def prepack_weights(self) -> None:
+        """Serving: keep Gemma's ``1 + weight`` in the reduction's dtype (two ops of every call otherwise)."""
+        if self.unit_offset:
+            self.prepared = 1.0 + self.weight.detach().to(compute_dtype(self.weight.dtype))
+
+    def _apply(self, fn, recurse: bool = True):
+        self.prepared = None  # moved or cast: the copy no longer matches
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused rms_norm: the same x * rsqrt(mean(x^2) + eps) * weight, rounded once at the end,
@@ -37,9 +48,11 @@ class RMSNorm(nn.Module):
         if not self.unit_offset and self.weight.dtype == x.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         work = compute_dtype(x.dtype)
-        weight = self.weight.to(work)
-        if self.unit_offset:
-            weight = 1.0 + weight
+        weight = self.prepared
+        if weight is None or weight.dtype != work or self.weight.requires_grad:
+            weight = self.weight.to(work)
+            if self.unit_offset:
+                weight = 1.0 + weight
         return F.rms_norm(x.to(work), (x.shape[-1],), weight, self.eps).to(x.dtype)
 
 
@@ -172,7 +185,8 @@ class PrepackedLMHead:
 
 def prepack_weights(model: nn.Module) -> None:
     """Get a loaded model ready to serve: every submodule with a ``prepack_weights`` method (each
-    :class:`Linear`, the LM heads) prepacks its weights where that pays (:func:`onednn_prepack`)."""
+    :class:`Linear`, the LM heads, the experts) prepacks its weights where that pays
+    (:func:`onednn_prepack`); Gemma-style norms keep their ``1 + weight``."""
     for module in model.modules():
         hook = getattr(module, "prepack_weights", None)
         if callable(hook):

@@ -23,7 +23,7 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import apply_rotar
 
 from specdec.cache import PagedKVCache
 from specdec.runtime.model_runner import Chunk, ModelRunner, last_token_indices
-from specdec.backends import get_backend, ragged
+from specdec.backends import get_backend, invariance, ragged
 from specdec.models import CheckpointError, load_model
 from specdec.backends.base import AttentionMetadata
 from specdec.backends.block_sparse import block_sparse_attention
@@ -169,6 +169,8 @@ def test_the_indexer_scores_only_where_it_can_drop_a_block(ours, monkeypatch):
     alone = prefill_logits(ours, [batch[short]])[0]  # 90 tokens: one block
     assert masks and all(mask is None for mask in masks)
     torch.testing.assert_close(alone, beside_long, rtol=1e-12, atol=1e-12)
+    with invariance.batch_invariant():  # there a request's logits may not depend on its companions at all
+        assert torch.equal(prefill_logits(ours, [batch[short]])[0], prefill_logits(ours, batch)[short])
 
 
 def test_chunked_prefill_selects_from_cached_indexer_keys(ours):

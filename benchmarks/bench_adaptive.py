@@ -10,7 +10,9 @@ EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is
 once; a round runs every configuration at every concurrency, in an order that alternates between
 rounds, so the machine's drift falls on all alike. Concurrency c keeps c requests in flight, as a
 serving benchmark's ``--max-concurrency`` does (``specdec.bench.runner.serve``: a request goes in as
-soon as one finishes), over ``--batches`` times c prompts. Output lengths (``ignore_eos``) are drawn
+soon as one finishes), over ``--batches`` times c prompts, and at least ``--min-prompts`` (a level of
+one or a few requests would otherwise time a handful of them, too few to rise above the machine's
+drift). Output lengths (``ignore_eos``) are drawn
 once, uniformly within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the
 same for every configuration: with equal lengths, requests without speculation would finish in
 lockstep and the next ones' prompts would all run in one large forward, an advantage no real load
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--batches", type=int, default=2, help="c prompts this many times at concurrency c")
+    parser.add_argument("--min-prompts", type=int, default=16, help="at least this many prompts at every level")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=64)
@@ -109,12 +112,13 @@ def main() -> None:
         return {"method": args.method, "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive}
 
     configs = {"none": None, **{f"k={k}": spec(k) for k in range(1, args.k + 1)}, f"adaptive k<={args.k}": spec(args.k, True)}
+    count = {c: max(c * args.batches, args.min_prompts) for c in levels}  # prompts per level
     common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0)
     llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
     spread = round(args.output_len * args.output_spread)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, seed=1)
-              for n in output_lengths(max(levels) * args.batches, args.output_len, args.output_spread, seed=0)]
-    prompts = held_out_prompts(llms["none"], max(levels) * args.batches, args.input_len)
+              for n in output_lengths(max(count.values()), args.output_len, args.output_spread, seed=0)]
+    prompts = held_out_prompts(llms["none"], max(count.values()), args.input_len)
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:2], params[:2], use_tqdm=False)
 
@@ -124,7 +128,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for c in levels:
-            batch = prompts[: c * args.batches]
+            batch = prompts[: count[c]]
             for name in order:
                 llm = llms[name]
                 llm.reset_spec_stats()

@@ -7,22 +7,25 @@
 Prompts: windows of the training corpus's validation documents (``specdec.train.corpus``, the split
 the zoo drafts never trained on), ``--input-len`` tokens each. Every configuration (no speculation,
 EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is one ``LLM`` built
-once; a round runs every configuration at every concurrency, in an order that alternates between
-rounds, so the machine's drift falls on all alike. Concurrency c keeps c requests in flight, as a
-serving benchmark's ``--max-concurrency`` does (``specdec.bench.runner.serve``: a request goes in as
-soon as one finishes), over ``--batches`` times c prompts, and at least ``--min-prompts`` (a level of
-one or a few requests would otherwise time a handful of them, too few to rise above the machine's
-drift). Output lengths (``ignore_eos``) are drawn
-once, uniformly within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the
-same for every configuration: with equal lengths, requests without speculation would finish in
-lockstep and the next ones' prompts would all run in one large forward, an advantage no real load
-gives; static batches would understate speculation instead (requests that accept less finish later,
-and their batch runs on nearly empty). Reported:
-output tok/s (median over rounds) and each configuration's ratio to no speculation and to the best
-fixed k, computed within each round; the adaptive rows show the controller's choices in every
-round (``num_drafts_histogram``: one engine serves every level in turn, so what it chooses at a level
-may depend on the levels run before). Last, the controller's own cost per step at the highest concurrency
-(choose + observe over that many requests) against the plain decode step there.
+once. Concurrency c keeps c requests in flight, as a serving benchmark's ``--max-concurrency`` does
+(``specdec.bench.runner.serve``: a request goes in as soon as one finishes), over ``--batches`` times c
+prompts, and at least ``--min-prompts``. Output lengths (``ignore_eos``) are drawn once, uniformly
+within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the same for every
+configuration: with equal lengths, requests without speculation would finish in lockstep and the next
+ones' prompts would all run in one large forward, an advantage no real load gives; static batches
+would understate speculation instead (requests that accept less finish later, and their batch runs on
+nearly empty).
+
+The machine's speed drifts (up to 1.7x between runs a minute apart on the shared development
+machine), so configurations are compared in *trials*: every configuration runs the same prompts, one
+after another, in an order that alternates between trials, and ratios are taken within a trial. A
+round runs every level once; a level's prompts make one trial, or at low concurrency several of
+``--slice`` prompts (at least 2c, so that each keeps the level's steady state and drain). Reported per
+level: output tok/s and each configuration's ratio to no speculation and to the best fixed k, medians
+over trials; the adaptive rows show the controller's choices in every round (``num_drafts_histogram``:
+one engine serves every level in turn, so what it chooses at a level may depend on the levels run
+before). Last, the controller's own cost per step at the highest concurrency (choose + observe over
+that many requests) against the plain decode step there.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--batches", type=int, default=2, help="c prompts this many times at concurrency c")
     parser.add_argument("--min-prompts", type=int, default=16, help="at least this many prompts at every level")
+    parser.add_argument("--slice", type=int, default=4, help="prompts per interleaved trial (at least 2c at level c)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=64)
@@ -122,42 +126,53 @@ def main() -> None:
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:2], params[:2], use_tqdm=False)
 
-    rates = {(name, c): [] for name in configs for c in levels}
+    # A trial runs every configuration on the same prompts, one after another, in an order that
+    # alternates between trials; ratios are taken within a trial. At low concurrency a level's prompts
+    # are cut into trials of --slice prompts (at least 2c, which keeps a level's steady state and drain),
+    # so that no configuration runs more than seconds away from the others on a drifting machine.
+    trials = {c: [] for c in levels}  # per level: per trial, configuration -> output tok/s
     histograms = {c: [] for c in levels}  # the adaptive configuration's choices, round by round
     outputs = {}  # first round's tokens per (configuration, concurrency)
+    adaptive = [name for name in configs if name.startswith("adaptive")]
     for r in range(args.rounds):
-        order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for c in levels:
             batch = prompts[: count[c]]
-            for name in order:
-                llm = llms[name]
-                llm.reset_spec_stats()
-                rate, tokens = throughput(llm, batch, c, params[: len(batch)])
-                rates[name, c].append(rate)
-                outputs.setdefault((name, c), tokens)
-                if name.startswith("adaptive"):
-                    histograms[c].append(llm.spec_stats().num_drafts_histogram)
-            print(f"round {r + 1} c={c}: " + "  ".join(f"{n} {rates[n, c][-1]:.0f}" for n in configs), flush=True)
+            size = max(args.slice, 2 * c)
+            for name in adaptive:
+                llms[name].reset_spec_stats()
+            for start in range(0, len(batch), size):
+                part = slice(start, start + size)
+                order = list(configs) if len(trials[c]) % 2 == 0 else list(reversed(configs))
+                trial = {}
+                for name in order:
+                    trial[name], tokens = throughput(llms[name], batch[part], c, params[part])
+                    if r == 0:
+                        outputs.setdefault((name, c), []).extend(tokens)
+                trials[c].append(trial)
+            for name in adaptive:
+                histograms[c].append(llms[name].spec_stats().num_drafts_histogram)
+            this_round = trials[c][len(trials[c]) - -(-len(batch) // size):]
+            print(f"round {r + 1} c={c}: " + "  ".join(
+                f"{n} {statistics.median(t[n] for t in this_round):.0f}" for n in configs), flush=True)
 
     print(f"\n{args.target} + {args.method} {args.draft}, {args.dtype}, T={args.temperature}, "
-          f"{args.output_len} +- {spread} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} interleaved rounds")
+          f"{args.output_len} +- {spread} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} rounds")
     fixed = [f"k={k}" for k in range(1, args.k + 1)]
     for c in levels:
-        print(f"\nconcurrency {c}")
+        print(f"\nconcurrency {c} ({len(trials[c])} interleaved trials)")
         for name in configs:
-            per_round = rates[name, c]
-            vs_none = statistics.median(a / b for a, b in zip(per_round, rates["none", c]))
-            best = [max(rates[f, c][i] for f in fixed) for i in range(args.rounds)]
-            vs_best = statistics.median(a / b for a, b in zip(per_round, best))
+            rates = [t[name] for t in trials[c]]
+            vs_none = statistics.median(t[name] / t["none"] for t in trials[c])
+            vs_best = statistics.median(t[name] / max(t[f] for f in fixed) for t in trials[c])
             identical = sum(a == b for a, b in zip(outputs[name, c], outputs["none", c]))
-            line = (f"  {name:14s} {statistics.median(per_round):8.1f} tok/s  x{vs_none:.2f} of none  "
+            line = (f"  {name:14s} {statistics.median(rates):8.1f} tok/s  x{vs_none:.2f} of none  "
                     f"x{vs_best:.2f} of best fixed k  outputs identical to none {identical}/{len(outputs[name, c])}")
             if name.startswith("adaptive"):
                 line += f"  drafts chosen (0..k) by round {histograms[c]}"
             print(line)
     top = max(levels)
     spent = controller_seconds(args.k, top)
-    step = 1.0 / (statistics.median(rates["none", top]) / top)  # seconds per plain decode step at that load
+    step = 1.0 / (statistics.median(t["none"] for t in trials[top]) / top)  # seconds per plain decode step at that load
     print(f"\ncontroller: {spent * 1e3:.3f} ms per step over {top} requests = {100 * spent / step:.2f}% "
           f"of a plain decode step there ({step * 1e3:.1f} ms)")
 

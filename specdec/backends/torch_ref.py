@@ -174,7 +174,7 @@ def _folded_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias:
     """``q [B, H, Q, D]`` with each KV head's query heads as ``group * Q`` rows of one attention over
     ``keys/values [B, Hkv, S, *]`` (``bias [B, 1, group * Q, S]``, :func:`_score_bias`). The same
     arithmetic per row as ``enable_gqa``, but torch's CPU kernel runs several queries per request
-    1.3-3.8x faster this way (bf16, 1 to 32 requests of 150 to 600 keys, 2 to 6 queries, 2 to 4 heads a
+    1.2-3.8x faster this way (bf16, 1 to 32 requests of 150 to 600 keys, 2 to 6 queries, 2 to 4 heads a
     group); one query runs up to 1.7x slower, so decode keeps ``enable_gqa``."""
     batch, num_heads, max_query, head_dim = q.shape
     num_kv_heads = keys.shape[1]

@@ -140,6 +140,7 @@ def main() -> None:
             size = max(args.slice, 2 * c)
             for name in adaptive:
                 llms[name].reset_spec_stats()
+            first = len(trials[c])  # this round's trials at this level start here
             for start in range(0, len(batch), size):
                 part = slice(start, start + size)
                 order = list(configs) if len(trials[c]) % 2 == 0 else list(reversed(configs))
@@ -151,9 +152,8 @@ def main() -> None:
                 trials[c].append(trial)
             for name in adaptive:
                 histograms[c].append(llms[name].spec_stats().num_drafts_histogram)
-            this_round = trials[c][len(trials[c]) - -(-len(batch) // size):]
             print(f"round {r + 1} c={c}: " + "  ".join(
-                f"{n} {statistics.median(t[n] for t in this_round):.0f}" for n in configs), flush=True)
+                f"{n} {statistics.median(t[n] for t in trials[c][first:]):.0f}" for n in configs), flush=True)
 
     print(f"\n{args.target} + {args.method} {args.draft}, {args.dtype}, T={args.temperature}, "
           f"{args.output_len} +- {spread} new tokens, held-out prompts of {args.input_len} tokens, {args.rounds} rounds")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -143,7 +145,9 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         # A KV head's query heads fold into its query rows where that is faster (:func:`_folded_gqa`);
         # each row then needs its query's bias, repeated per head of the group.
         group = num_heads // keys.shape[1]
-        rows_per_query = group if group > 1 and 1 < meta.max_query_len <= FOLD_MAX_QUERY_LEN else 1
+        folds = group > 1 and (1 < meta.max_query_len <= FOLD_MAX_QUERY_LEN or (
+            meta.max_query_len == 1 and single_queries_fold(work, num_heads, keys.shape[1], head_dim, q.device)))
+        rows_per_query = group if folds else 1
         if custom is not None:
             bias = _score_bias(custom if sees_all else _layout_mask_of(meta, sliding_window) & custom, work,
                                rows_per_query)
@@ -175,12 +179,49 @@ def _folded_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias:
     ``keys/values [B, Hkv, S, *]`` (``bias [B, 1, group * Q, S]``, :func:`_score_bias`). The same
     arithmetic per row as ``enable_gqa``, but torch's CPU kernel runs several queries per request
     1.2-3.8x faster this way (bf16, 1 to 32 requests of 150 to 600 keys, 2 to 6 queries, 2 to 4 heads a
-    group); one query runs up to 1.7x slower, so decode keeps ``enable_gqa``."""
+    group). For one query it depends on the CPU (:func:`single_queries_fold`)."""
     batch, num_heads, max_query, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     rows = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads * max_query, head_dim)  # h = kv * group + g
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=bias, scale=scale)
     return out.view(batch, num_heads, max_query, -1)
+
+
+# Per (dtype, heads, KV heads, head size): whether decode's one query per request folds (measured once).
+_SINGLE_QUERIES_FOLD: dict[tuple, bool] = {}
+
+
+def single_queries_fold(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        device: torch.device) -> bool:
+    """Whether decode (one query per request) runs faster through :func:`_folded_gqa` than through
+    ``enable_gqa``, timed once per process and shape on a batch of 8 requests of 256 keys.
+
+    It depends on the CPU's kernels, both ways and by far: on an AMD EPYC with AVX-512 bf16 but no AMX,
+    bf16 decode attention ran 4-7x faster folded (1 to 32 requests of 150 to 400 keys, 4 or 6 heads
+    over 2); on an Intel Xeon with AMX it ran up to 1.7x slower. Off the CPU decode keeps ``enable_gqa``."""
+    if device.type != "cpu":
+        return False
+    key = (dtype, num_heads, num_kv_heads, head_dim)
+    if key not in _SINGLE_QUERIES_FOLD:
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(8, num_heads, 1, head_dim, generator=generator).to(dtype)
+        keys, values = (torch.randn(8, num_kv_heads, 256, head_dim, generator=generator).to(dtype) for _ in range(2))
+        folded = lambda: _folded_gqa(q, keys, values, None, 1.0)  # noqa: E731
+        grouped = lambda: F.scaled_dot_product_attention(q, keys, values, scale=1.0, enable_gqa=True)  # noqa: E731
+        _SINGLE_QUERIES_FOLD[key] = _runs_faster(folded, grouped)
+    return _SINGLE_QUERIES_FOLD[key]
+
+
+def _runs_faster(first, second, repeats: int = 7) -> bool:
+    """Whether ``first()`` takes less time than ``second()`` (medians, runs alternating)."""
+    seconds = ([], [])
+    for _ in range(repeats + 1):
+        for run, timed in zip((first, second), seconds):
+            started = time.perf_counter()
+            run()
+            timed.append(time.perf_counter() - started)
+    first_median, second_median = (sorted(timed[1:])[repeats // 2] for timed in seconds)  # the first run warms
+    return first_median < second_median
 
 
 def _layout_mask_of(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:

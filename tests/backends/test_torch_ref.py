@@ -8,6 +8,7 @@ import torch
 
 from specdec.backends import AttentionMetadata, get_backend
 from specdec.backends.base import math_dtype
+from specdec.backends import torch_ref
 from specdec.backends.torch_ref import TorchBackend
 
 SHAPES = {
@@ -16,6 +17,13 @@ SHAPES = {
     "verify": lambda seq: min(4, seq),
     "chunked": lambda seq: max(1, seq // 3),
 }
+
+
+@pytest.fixture(params=[True, False], ids=["folded", "grouped"])
+def decode_folds(request, monkeypatch):
+    """Decode attention both ways, whichever this CPU runs faster (torch_ref.single_queries_fold)."""
+    monkeypatch.setattr(torch_ref, "single_queries_fold", lambda *shape: request.param)
+    return request.param
 
 
 def paged_layout(seq_lens, block_size, num_blocks, generator):
@@ -64,7 +72,7 @@ def build_case(shape, num_heads, num_kv_heads, block_size, seed, head_dim=16, v_
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_paged_attention_matches_dense(shape, num_heads, num_kv_heads, block_size):
+def test_paged_attention_matches_dense(shape, num_heads, num_kv_heads, block_size, decode_folds):
     q, k_cache, v_cache, meta, slots = build_case(shape, num_heads, num_kv_heads, block_size, seed=block_size)
     out = TorchBackend().attention(q, k_cache, v_cache, meta, scale=0.25)
     start = 0
@@ -93,7 +101,7 @@ def test_mla_attention_matches_dense(shape):
 
 
 @pytest.mark.parametrize("window", [None, 3, 64])
-def test_equal_length_decode_matches_dense_with_and_without_a_window(window):
+def test_equal_length_decode_matches_dense_with_and_without_a_window(window, decode_folds):
     """Every request the same length, one query each: the backend drops the mask unless a window cuts in."""
     g = torch.Generator().manual_seed(11)
     seq_lens, block_size, heads, kv_heads = [21, 21, 21], 4, 4, 2
@@ -111,6 +119,21 @@ def test_equal_length_decode_matches_dense_with_and_without_a_window(window):
         v = v_cache.view(-1, kv_heads, 16)[seq_slots[21 - seen :]]
         ref = dense_attention(q[i : i + 1], k, v, 0.25, [seen - 1])
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_times_its_two_forms_once_per_shape(monkeypatch):
+    """The choice for one query per request is measured once per dtype and head shape, on the CPU only."""
+    timed = []
+    monkeypatch.setattr(torch_ref, "_SINGLE_QUERIES_FOLD", {})
+    monkeypatch.setattr(torch_ref, "_runs_faster", lambda first, second: timed.append((first(), second())) or True)
+    cpu = torch.device("cpu")
+    assert torch_ref.single_queries_fold(torch.float32, 4, 2, 16, cpu)
+    assert torch_ref.single_queries_fold(torch.float32, 4, 2, 16, cpu)
+    assert len(timed) == 1
+    folded, grouped = timed[0]  # the two forms it compares compute the same attention
+    torch.testing.assert_close(folded, grouped)
+    assert torch_ref.single_queries_fold(torch.float32, 8, 2, 16, cpu) and len(timed) == 2
+    assert not torch_ref.single_queries_fold(torch.float32, 4, 2, 16, torch.device("meta")) and len(timed) == 2
 
 
 def test_write_kv_places_values_at_their_slots():

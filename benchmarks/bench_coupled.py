@@ -78,13 +78,25 @@ class PerRequest:
                     self.accepted[request.index][i] += 1
 
 
+# The verifier each mode must have run (greedy requests aside, which no mode here sends).
+EXPECTED_VERIFIER = {"coupled": "coupled", "rejection": "rejection", "probabilistic": "rejection"}
+
+
 def run_mode(llm: LLM, mode: str, prompts, params, k: int) -> tuple[PerRequest, list[list[int]], dict]:
-    llm.engine.verifier = RejectionSampler() if mode == "rejection" else None
+    llm.engine.verifiers.fixed = RejectionSampler() if mode == "rejection" else None
     llm.reset_spec_stats()
     record = PerRequest(len(prompts), k)
-    outputs = llm.generate(prompts, params, use_tqdm=False, on_step=record)
-    llm.engine.verifier = None
-    return record, [o.token_ids for o in outputs], dict(llm.spec_stats().num_drafts_by_verifier)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False, on_step=record)
+    finally:
+        llm.engine.verifiers.fixed = None
+    by_verifier = dict(llm.spec_stats().num_drafts_by_verifier)
+    # A mode whose verifier did not run would print another mode's figures under its name (as the
+    # rejection rows did while the engine no longer read the attribute this benchmark set).
+    if set(by_verifier) - {EXPECTED_VERIFIER[mode]}:
+        raise SystemExit(f"error: mode {mode!r} should verify with {EXPECTED_VERIFIER[mode]!r} but the engine "
+                         f"ran {by_verifier}; fix how this benchmark forces the verifier")
+    return record, [o.token_ids for o in outputs], by_verifier
 
 
 def summarise(records: list[PerRequest], k: int) -> dict:

@@ -106,10 +106,12 @@ def as_draft_preset(value: DraftPreset | str) -> DraftPreset:
 
 
 register_draft_preset(DraftPreset(
-    name="minimax-m3-tiny-eagle3", attention="mha", intermediate_size=512, draft_vocab_size=3072,
+    name="minimax-m3-tiny-eagle3", attention="mha", intermediate_size=1024, draft_vocab_size=3072,
     aux_layer_ids=(1, 3, 5),
     # Shorter windows, more of them, mostly the target's own greedy text from 64-token prompts: what
-    # the benchmarks' requests ask the draft to predict.
+    # the benchmarks' requests ask the draft to predict. An MLP of 1024 rather than 512: greedy
+    # acceptance on 128 held-out windows 0.789 / 0.642 / 0.537 -> 0.805 / 0.677 / 0.564 (more steps and
+    # twice the generated text had left 512 where it was); it fills the zoo's size budget.
     seq_len=256, steps=3000, quick_steps=60, prompt_len=64,
     generated_windows=2048, generated_fraction=0.75,
     description="EAGLE3 head for minimax-m3-tiny: GQA layer, reduced vocabulary (d2t), target's lm_head rows",

@@ -70,6 +70,9 @@ REQUEST_DECAY = 0.95
 ENGINE_DECAY = 0.995
 # Requests start dormant unless drafting promises at least this many times the rate of none.
 ADMIT_GAIN = 1.1
+# Every PROBE_EVERY-th choice gives a request that drafts one draft more than the best rate's
+# (:meth:`GoodputController.choose`).
+PROBE_EVERY = 8
 
 
 class AcceptanceEstimates:
@@ -181,6 +184,7 @@ class GoodputController(FixedDrafts):
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
         self._drafted: frozenset = frozenset()  # the requests whose drafts the last step verified
+        self._choices = 0  # steps chosen for, which sets the probing ones (the same count on every rank)
         self._laps: dict[str, float] = {}
         self._last = 0.0
 
@@ -191,7 +195,14 @@ class GoodputController(FixedDrafts):
 
         Prompt rows in the step are left out: they cost the same whatever is chosen, and pricing them
         would make the choice depend on whether a prompt happens to run beside (the step's rate would
-        fall, and a draft would look worth more than in the same step without the prompt)."""
+        fall, and a draft would look worth more than in the same step without the prompt).
+
+        Every :data:`PROBE_EVERY`-th step gives one draft more than the best rate's to a request that drafts: a
+        forward's cost at a size is learnt only from steps that run it, so a size priced dear once (a
+        passing slowdown, or the first forward of a shape, which builds its kernels) would otherwise
+        never run, and never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
+        5, the 6-row forward read 14-18 ms that way and stayed there, while steps made to run it read
+        9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
         new = [request for request in requests if request not in self._history]
         if new:
             dormant = not self.speculation_pays(len(requests))
@@ -202,14 +213,18 @@ class GoodputController(FixedDrafts):
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
         if not any(caps):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
-        counts = self.best_counts(requests, caps, base_rows)
+        self._choices += 1
+        counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
         self._note_drafting(requests, caps, counts)
         return counts
 
-    def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
-        """The counts at which the step's expected tokens per second peak (the module docstring)."""
+    def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int, *,
+                    probe: bool = False) -> list[int]:
+        """The counts at which the step's expected tokens per second peak (the module docstring); with
+        ``probe``, one draft more for a request given drafts, where its cap allows."""
         prior = self.acceptance.engine_rates()
-        return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)])
+        return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)],
+                          probe=probe)
 
     def speculation_pays(self, num_requests: int) -> bool:
         """Whether a decode step of ``num_requests`` requests, each accepted at the engine-wide rates and
@@ -225,10 +240,11 @@ class GoodputController(FixedDrafts):
         return any(self._best(num_requests, [chain] * num_requests, keeping=self.keep_seconds(num_requests),
                               margin=ADMIT_GAIN))
 
-    def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0) -> list[int]:
+    def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0,
+              probe: bool = False) -> list[int]:
         """Best counts for requests whose drafts 1, 2, ... are accepted with probabilities ``gains[i]``;
         ``keeping``: seconds a step owes only if it drafts at all; drafts only at ``margin`` times the
-        rate of none."""
+        rate of none; ``probe``: one draft more for a request the best gives drafts (:meth:`choose`)."""
         # Seconds of the step: the rest of it (whatever the drafts) + the target's forward over its rows
         # (by drafts taken) + the chain's depth times a draft forward over the drafting requests.
         other = self.other_seconds(len(gains))
@@ -258,6 +274,10 @@ class GoodputController(FixedDrafts):
         counts = [0] * len(gains)
         for i in taken[:best_taken]:
             counts[i] += 1
+        if probe:  # the next draft of a request that drafts: who drafts stays the model's choice
+            deeper = next((i for i in taken[best_taken:] if counts[i]), None)
+            if deeper is not None:
+                counts[deeper] += 1
         return counts
 
     def _note_drafting(self, requests: Sequence[Hashable], caps: Sequence[int], counts: Sequence[int]) -> None:

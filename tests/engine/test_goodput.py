@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.engine.goodput import DORMANT_MAX_DRAFTING, DORMANT_WINDOW, AcceptanceEstimates, GoodputController
+from specdec.engine.goodput import (
+    DORMANT_MAX_DRAFTING,
+    DORMANT_WINDOW,
+    PROBE_EVERY,
+    AcceptanceEstimates,
+    GoodputController,
+)
 from specdec.runtime.layout import StepLayout
 from specdec.zoo import zoo_path
 
@@ -158,6 +164,26 @@ def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():
     assert not controller.is_dormant("r")
 
 
+def test_every_few_steps_a_drafting_request_gets_one_draft_more():
+    """A forward's cost at a size is learnt only from steps that run it, so a size priced dear once would
+    never run again: every PROBE_EVERY-th choice gives a request that drafts one draft more (never one
+    to a request the model left without), and a cheaper reading there moves the choice."""
+    controller = GoodputController(5)
+    for rows in range(1, 9):  # 7 rows and more priced dear, as after a passing slowdown
+        controller.target_seconds.observe(rows, 0.01 if rows <= 6 else 0.05)
+    controller.draft_seconds.observe(1, 0.0001)
+    for _ in range(40):
+        controller.observe_verified("sure", 5, 5)
+        controller.observe_verified("never", 5, 0)
+    chosen = [controller.choose(["sure", "never"], [5, 5], base_rows=2) for _ in range(2 * PROBE_EVERY)]
+    probes = [step for step, counts in enumerate(chosen, start=1) if counts != [4, 0]]
+    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
+    assert all(chosen[step - 1] == [5, 0] for step in probes)
+    for _ in range(20):  # what the probes measure: 7 rows cost what 6 do
+        controller.target_seconds.observe(7, 0.01)
+    assert controller.best_counts(["sure", "never"], [5, 5], base_rows=2) == [5, 0]
+
+
 class Scripted(GoodputController):
     """Drafts when the script says so, then applies the controller's own dormancy rule."""
 
@@ -165,7 +191,7 @@ class Scripted(GoodputController):
         super().__init__(3)
         self.script = iter(script)
 
-    def best_counts(self, requests, caps, base_rows):
+    def best_counts(self, requests, caps, base_rows, probe=False):
         drafted = next(self.script)
         return [cap if drafted else 0 for cap in caps]
 

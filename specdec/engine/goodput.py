@@ -199,8 +199,8 @@ class GoodputController(FixedDrafts):
 
         Every :data:`PROBE_EVERY`-th step gives one draft more than the best rate's to a request that drafts: a
         forward's cost at a size is learnt only from steps that run it, so a size priced dear once (a
-        passing slowdown, or the first forward of a shape, which builds its kernels) would otherwise
-        never run, and never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
+        passing slowdown; perhaps a shape's first forward, not verified) would otherwise never run, and
+        never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
         5, the 6-row forward read 14-18 ms that way and stayed there, while steps made to run it read
         9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
         new = [request for request in requests if request not in self._history]

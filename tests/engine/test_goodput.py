@@ -22,11 +22,13 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.engine.goodput import (
+    CALIBRATION_MAX_ROWS,
     DORMANT_MAX_DRAFTING,
     DORMANT_WINDOW,
     PROBE_EVERY,
     AcceptanceEstimates,
     GoodputController,
+    calibration_sizes,
 )
 from specdec.runtime.layout import StepLayout
 from specdec.zoo import zoo_path
@@ -148,6 +150,18 @@ def test_a_step_s_parts_are_timed_into_their_curves():
     assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
     assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6]  # by requests not dormant
+
+
+@pytest.mark.parametrize("max_num_seqs, sizes", [(1, [1, 2, 3, 4]), (3, [1, 2, 3, 4, 8, 12])])
+def test_calibration_times_every_size_a_lone_request_steps_at_and_the_largest_step(max_num_seqs, sizes):
+    # k=3: one request steps at 1 to 4 rows; three requests of 4 rows are the largest decode step (12).
+    llm = LLM(str(zoo_path("llama-tiny")), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=max_num_seqs,
+              speculative_config={"method": "eagle3", "model": str(zoo_path("llama-tiny-eagle3")),
+                                  "num_speculative_tokens": 3, "adaptive": True})
+    calibrated = llm.engine.draft_counts.target_seconds.calibrated
+    assert sorted(calibrated) == sizes and all(seconds > 0 for seconds in calibrated.values())
+    assert calibration_sizes(5, 6) == [1, 2, 3, 4, 5, 6]
+    assert calibration_sizes(3, 1000) == [1, 2, 3, 4, 8, 16, 32, 64, 128, CALIBRATION_MAX_ROWS]
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():

@@ -5,7 +5,7 @@ import torch
 from scipy import stats
 
 from specdec.sampling import categorical, uniform
-from specdec.sampling.random import mix64, to_int64_seed
+from specdec.sampling.random import HOST_MAX_ROWS, STREAM_DRAFT, mix64, to_int64_seed
 
 M64 = (1 << 64) - 1
 
@@ -39,6 +39,18 @@ def test_uniform_is_a_pure_function_inside_the_open_interval():
     assert torch.equal(per_row[[0, 2, 4]], a[[0, 2, 4]]) and not torch.equal(per_row[1], a[1])
     big = uniform(torch.arange(200), torch.zeros(200, dtype=torch.int64), 2, 500)
     assert bool((big > 0).all()) and bool((big < 1).all())
+
+
+@pytest.mark.parametrize("rows", [1, 5, HOST_MAX_ROWS])
+def test_a_few_rows_uniforms_on_the_host_equal_the_tensor_arithmetic(rows):
+    # One column of a few CPU rows is computed on Python ints; a second column forces the tensor ops,
+    # and a column does not depend on the width.
+    rng = random.Random(rows)
+    extremes = [-(1 << 63), (1 << 63) - 1, 0, -1]
+    seeds = torch.tensor((extremes + [rng.randrange(-(1 << 63), 1 << 63) for _ in range(rows)])[:rows])
+    counters = torch.tensor([rng.randrange(1 << 40) for _ in range(rows)])
+    for stream in (0, STREAM_DRAFT, torch.tensor(STREAM_DRAFT), torch.randint(0, 4, (rows,))):
+        assert torch.equal(uniform(seeds, counters, stream, 1), uniform(seeds, counters, stream, 2)[:, :1])
 
 
 @pytest.mark.parametrize("vary", ["seed", "counter", "column"])

@@ -329,9 +329,10 @@ class LLMEngine:
 
         # Only requests whose rows reach their last token sample; a prompt chunk ending earlier emits nothing.
         sampling_seqs = [seqs[i] for i in layout.sampling]
+        greedy = all(s.params.greedy for s in sampling_seqs)  # argmax decides: no parameters to build
         sampling = None
-        if drafts is None or self.verifiers.needs_sampling_batch() or not all(s.params.greedy for s in sampling_seqs):
-            sampling = SamplingBatch.for_sequences(sampling_seqs, self.device) if sampling_seqs else None
+        if sampling_seqs and (not greedy or (drafts is not None and self.verifiers.needs_sampling_batch())):
+            sampling = SamplingBatch.for_sequences(sampling_seqs, self.device)
         emitted, num_accepted = [[] for _ in seqs], [0] * len(seqs)
         if drafts is None and sampling_seqs:
             for i, token in zip(layout.sampling, self.sampler.sample(logits, sampling).tolist()):

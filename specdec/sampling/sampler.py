@@ -137,13 +137,17 @@ class SamplingBatch:
 class Sampler:
     """Draws one token per logits row: argmax for greedy rows, a seeded exact draw otherwise."""
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids int64 ``[N]`` for ``logits [N, V]``; the distribution is ``target_probs``."""
-        if logits.dim() != 2 or logits.shape[0] != len(batch):
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
+        """Token ids int64 ``[N]`` for ``logits [N, V]``; the distribution is ``target_probs``. Without a
+        ``batch`` every row is greedy (the engine builds none for an all-greedy step)."""
+        rows = logits.shape[0] if batch is None else len(batch)
+        if logits.dim() != 2 or logits.shape[0] != rows:
             raise ValueError(
-                f"logits must be [N, V] with N = {len(batch)} (the batch's rows), got {tuple(logits.shape)}"
+                f"logits must be [N, V] with N = {rows} (the batch's rows), got {tuple(logits.shape)}"
             )
         tokens = greedy_ids(logits)
+        if batch is None:
+            return tokens
         sampled = ~batch.greedy
         if bool(sampled.any()):
             rows = sampled.nonzero().squeeze(1)

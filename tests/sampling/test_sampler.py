@@ -9,6 +9,9 @@ def test_greedy_rows_are_argmax():
     logits = torch.randn(9, 31, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     batch = SamplingBatch.from_params([SamplingParams()] * 9, list(range(9)))
     assert torch.equal(Sampler().sample(logits, batch), logits.argmax(-1))
+    assert torch.equal(Sampler().sample(logits, None), logits.argmax(-1))  # no batch: every row greedy
+    with pytest.raises(ValueError, match="must be \\[N, V\\]"):
+        Sampler().sample(logits[0], None)
 
 
 def test_seeded_rows_do_not_depend_on_batch_composition_or_order():

@@ -9,6 +9,9 @@ text one token at a time, so that
   after it, even of the same step, are dropped), whatever the step boundaries were: speculative and
   plain decoding stop at the same token;
 - a streaming client is sent only text that can no longer turn out to begin a stop string.
+
+Without stop strings nothing is decided per token, so tokens are decoded only when the text is read:
+``LLM.generate`` reads it once, when the request finishes (a streaming server reads it every step).
 """
 
 from __future__ import annotations
@@ -30,31 +33,33 @@ class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        # Each step decodes a short window: ids[_prefix:_read] were decoded last time, ids[_read:] are new.
+        self._decoded = 0  # ids[:_decoded] are in the text; without stop strings the rest wait for a read
+        # Each token decodes a short window: ids[_prefix:_read] were decoded last time, then the new one.
         self._prefix = self._read = 0
         self._stops = tuple(s for s in stop if s)
-        self.text = ""
+        self._text = ""
         self.num_tokens = 0
         self.stopped = False
         self._sent = 0
 
+    @property
+    def text(self) -> str:
+        while self._decoded < len(self._ids):
+            self._decode_next()
+        return self._text
+
     def push(self, token_ids: Sequence[int]) -> None:
         """Add the step's new tokens (ignored once a stop string has ended the text)."""
-        longest = max(map(len, self._stops), default=0)
+        if not self._stops:
+            self._ids += token_ids
+            self.num_tokens += len(token_ids)
+            return
         for token in token_ids:
             if self.stopped:
                 return
             self._ids.append(token)
             self.num_tokens += 1
-            piece = self._next_piece()
-            if not piece:
-                continue
-            searched_from = max(0, len(self.text) - longest + 1)
-            self.text += piece
-            hits = [i for i in (self.text.find(s, searched_from) for s in self._stops) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
+            self._decode_next()
 
     def finish(self) -> None:
         """The output is complete: text held back as an unfinished character is added as it decodes
@@ -64,17 +69,24 @@ class TextStream:
         decode = self._tokenizer.decode
         before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
         after = decode(self._ids[self._prefix :], skip_special_tokens=True)
-        self.text += after[len(before) :]
-        self._prefix = self._read = len(self._ids)
+        self._text += after[len(before) :]
+        self._prefix = self._read = self._decoded = len(self._ids)
 
-    def _next_piece(self) -> str:
+    def _decode_next(self) -> None:
+        """Add the next undecoded token's text, and end the text at a stop string it completes."""
+        self._decoded += 1
         decode = self._tokenizer.decode
         before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        after = decode(self._ids[self._prefix : self._decoded], skip_special_tokens=True)
         if len(after) <= len(before) or after.endswith(_INCOMPLETE):
-            return ""  # nothing printable yet (a special token, or half a character)
-        self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before) :]
+            return  # nothing printable yet (a special token, or half a character)
+        self._prefix, self._read = self._read, self._decoded
+        searched_from = max(0, len(self._text) - max(map(len, self._stops), default=0) + 1)
+        self._text += after[len(before) :]
+        hits = [i for i in (self._text.find(s, searched_from) for s in self._stops) if i >= 0]
+        if hits:
+            self._text = self._text[: min(hits)]
+            self.stopped = True
 
     def unsent(self, finished: bool) -> str:
         """Text not yet handed to a streaming client that is safe to send: all of it once ``finished``,

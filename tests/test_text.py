@@ -39,6 +39,17 @@ def test_text_is_the_whole_output_decoded_whatever_the_steps(tok):
         assert stream.text == tok.decode(ids, skip_special_tokens=True) == "".join(sent)
         assert stream.num_tokens == len(ids) and not stream.stopped
         assert not any(piece.endswith("\ufffd") for piece in sent[:-1])  # half characters wait to complete
+        # Without stop strings tokens are decoded when the text is read: at the end, or now and then.
+        unread, sometimes = TextStream(tok), TextStream(tok)
+        for start in range(0, len(ids), 3):
+            unread.push(ids[start : start + 3])
+            sometimes.push(ids[start : start + 3])
+            if rng.random() < 0.3:  # read: all the text so far, less a character still incomplete
+                so_far = tok.decode(ids[: start + 3], skip_special_tokens=True)
+                assert sometimes.text == so_far if not so_far.endswith("\ufffd") else so_far.startswith(sometimes.text)
+        unread.finish()
+        sometimes.finish()
+        assert unread.text == sometimes.text == stream.text and unread.num_tokens == len(ids)
 
 
 def test_a_stop_string_ends_the_text_at_the_same_token_for_any_grouping(tok):

@@ -348,6 +348,9 @@ class Eagle3Proposer(ModelProposer):
         slots = []
         for request, (lo, hi) in zip(requests, positions):
             have = cache.num_tokens(request, pool)
+            if lo == have:  # new rows only (a chain's step): the slots appended are theirs
+                slots.append(cache.append_slots(request, hi - lo, [pool])[pool])
+                continue
             if hi > have:
                 cache.append_slots(request, hi - have, [pool])
             slots.append(cache.write_slots(request, pool, lo, hi))

@@ -37,6 +37,7 @@ class TextStream:
         # Each token decodes a short window: ids[_prefix:_read] were decoded last time, then the new one.
         self._prefix = self._read = 0
         self._stops = tuple(s for s in stop if s)
+        self._longest_stop = max(map(len, self._stops), default=0)  # how far back a new piece may complete one
         self._text = ""
         self.num_tokens = 0
         self.stopped = False
@@ -81,7 +82,7 @@ class TextStream:
         if len(after) <= len(before) or after.endswith(_INCOMPLETE):
             return  # nothing printable yet (a special token, or half a character)
         self._prefix, self._read = self._read, self._decoded
-        searched_from = max(0, len(self._text) - max(map(len, self._stops), default=0) + 1)
+        searched_from = max(0, len(self._text) - self._longest_stop + 1)
         self._text += after[len(before) :]
         hits = [i for i in (self._text.find(s, searched_from) for s in self._stops) if i >= 0]
         if hits:

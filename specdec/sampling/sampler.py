@@ -140,10 +140,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
         """Token ids int64 ``[N]`` for ``logits [N, V]``; the distribution is ``target_probs``. Without a
         ``batch`` every row is greedy (the engine builds none for an all-greedy step)."""
-        rows = logits.shape[0] if batch is None else len(batch)
-        if logits.dim() != 2 or logits.shape[0] != rows:
+        num_rows = logits.shape[0] if batch is None else len(batch)
+        if logits.dim() != 2 or logits.shape[0] != num_rows:
             raise ValueError(
-                f"logits must be [N, V] with N = {rows} (the batch's rows), got {tuple(logits.shape)}"
+                f"logits must be [N, V] with N = {num_rows} (the batch's rows), got {tuple(logits.shape)}"
             )
         tokens = greedy_ids(logits)
         if batch is None:

@@ -187,6 +187,41 @@ def test_every_proposal_matches_the_reference(case, targets, tmp_path):
     assert all(e["probs"] is not None or e["params"].temperature == 0 for e in log)
 
 
+def test_a_request_left_without_drafts_waits_to_catch_up_and_then_drafts_as_the_reference(targets, tmp_path):
+    """The adaptive controller gives some requests of a step no drafts: the draft forwards run over the
+    drafting requests only, and a request's rows wait until it drafts again, then give the reference's
+    drafts."""
+    folder = targets["llama"]
+    spec = DraftSpec(layout="sglang", kv_heads=4)
+    weights = write_oracle_draft(tmp_path / "draft", spec, folder, mix=MIX)
+    llm = LLM(str(folder), dtype="float64", block_size=4, kv_cache_memory=MEMORY,
+              speculative_config=spec_config(tmp_path / "draft", 3))
+    proposer = llm.engine.proposer
+    forwards, steps = [], iter(range(10**6))
+    run_forward, propose_all = proposer._forward, proposer.propose
+
+    def forward(requests, tokens, positions, hidden):
+        forwards[-1].append(set(requests))
+        return run_forward(requests, tokens, positions, hidden)
+
+    def propose(seqs, max_drafts):  # request i sits out every third step, from step i on
+        step = next(steps)
+        allowed = [0 if (step - seq.index) % 3 == 0 else m for seq, m in zip(seqs, max_drafts)]
+        forwards.append([{s.seq_id for s, m in zip(seqs, allowed) if m}])
+        return propose_all(seqs, allowed)
+
+    proposer._forward, proposer.propose = forward, propose
+    log = record_proposals(llm)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(drafting) < 4 for drafting, *_ in forwards[4:]) and len(forwards) > 10
+    # Every draft forward of a step (catch-up, then the chain) runs drafting requests only.
+    assert all(ran <= drafting for drafting, *runs in forwards for ran in runs)
+    finals = [p + o.token_ids for p, o in zip(PROMPTS, outputs)]
+    auxes = target_aux(folder, proposer.aux_layer_ids, finals)
+    assert check_proposals(log, reference_for(folder, spec, weights), auxes, llm.engine.model.vocab_size) > 40
+    assert llm.spec_stats().accepted_per_position[1] > 0
+
+
 def test_sampled_drafts_are_seeded_and_greedy_steps_report_no_q(targets, tmp_path):
     folder = targets["llama"]
     write_oracle_draft(tmp_path / "draft", DraftSpec(layout="sglang", kv_heads=4, draft_vocab=40), folder)

@@ -4,7 +4,9 @@ Per request the proposer keeps the target's fused aux states (``combine_aux``) o
 positions it has not run the draft over yet. One step (FACTS.md section 3)::
 
     catch-up:  draft rows for every verified position p it has not seen: (token p+1, fc(h_p)),
-               at position p (shifted prefill; chunked target prefills are caught up as they come)
+               at position p (shifted prefill). Only requests given drafts catch up: the rows of
+               one left without drafts wait for a step it drafts in (or are never run, when it
+               never drafts again)
     draft 1:   argmax of the draft logits of the last catch-up row (position T-1)
     draft j:   (draft j-1, the previous row's next_hidden) at position T+j-2; fc is skipped
     roll back: the draft KV written by drafts 2..k is dropped at once: the reference keeps only
@@ -230,8 +232,13 @@ class Eagle3Proposer(ModelProposer):
             with self.cache.scratch([s.seq_id for s in drafting], [self.pool]):
                 return self._chain(drafting, ready, [max_drafts[i] for i in ready], post, nxt, len(seqs))
 
-    def _catch_up(self, seqs, max_drafts):
-        """Run the draft over every known target position it has not seen; returns the drafting rows.
+    def _catch_up(self, seqs, max_drafts, *, complete: bool = False):
+        """Run the draft over the known target positions it has not seen, of the requests given drafts
+        (``complete``: of every request); returns the drafting rows.
+
+        A request left without drafts is not caught up: under the adaptive controller a step often
+        drafts for some of its requests only, and running the others' rows too made its first draft
+        forward one over every request that keeps draft state, not over the ones drafting.
 
         Returns ``(ready, post, next)``: indices into ``seqs`` that draft this step, and the
         post-norm / fed-back states of their last catch-up row (position ``T - 1``).
@@ -240,7 +247,7 @@ class Eagle3Proposer(ModelProposer):
         requests, tokens, positions, hidden, ready, last_rows = [], [], [], [], [], []
         for i, seq in enumerate(seqs):
             state = self._states.get(seq.seq_id)
-            if state is None:
+            if state is None or not (max_drafts[i] or complete):
                 continue
             verified = seq.num_tokens - 1  # positions the target has cached
             will_draft = max_drafts[i] > 0 and state.known == verified
@@ -371,7 +378,7 @@ class Eagle3Proposer(ModelProposer):
             self._keep_hidden(feedback, {s.seq_id for s in finishing})
         if finishing:
             with torch.inference_mode():
-                self._catch_up(finishing, [0] * len(finishing))
+                self._catch_up(finishing, [0] * len(finishing), complete=True)
         for request in feedback.released:
             self._states.pop(request, None)
 

@@ -34,10 +34,11 @@ and then costs nearly what drafting every step does; a load at which drafts do n
 otherwise make an adaptive engine slower than one that never speculates.
 
 Finding that out takes a request :data:`DORMANT_WINDOW` steps of kept state, a large part of a short
-request's life, so a request starts dormant when a step of the present size would give no drafts even
-to requests accepted at the engine-wide rates, once the cost of keeping their draft state is counted
-(:meth:`GoodputController.speculation_pays`). The question is asked afresh for every request
-admitted, so speculation comes back when the load falls.
+request's life, so a request starts dormant when a step of the present requests would give no drafts
+even to those accepted at the engine-wide rates, once the cost of keeping their draft state is counted
+and the dormant ones among them draft nothing (:meth:`GoodputController.speculation_pays`). The
+question is asked afresh for every request admitted, so speculation comes back when the load falls
+and the dormant requests have finished.
 
 Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
 which every rank shares, and the cost curves are the driver's (sent with each step's message).
@@ -177,9 +178,10 @@ class GoodputController(FixedDrafts):
         self.k = num_speculative_tokens
         self.device = device
         self.target_seconds = CostCurve()  # one target forward, by rows
-        self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
+        self.draft_seconds = CostCurve(borrowed_shape=True)  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
-        self.keep_seconds = CostCurve()  # keeping draft states ready (and catching up), by requests not dormant
+        # keeping draft states ready (and catching up), by requests not dormant
+        self.keep_seconds = CostCurve(borrowed_shape=True)
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
@@ -205,7 +207,7 @@ class GoodputController(FixedDrafts):
         9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
         new = [request for request in requests if request not in self._history]
         if new:
-            dormant = not self.speculation_pays(len(requests))
+            dormant = not self.speculation_pays(len(requests), sum(map(self._dormant.__contains__, requests)))
             for request in new:
                 self._history[request] = 1  # the marker bit (:meth:`_note_drafting`)
                 if dormant:
@@ -226,9 +228,15 @@ class GoodputController(FixedDrafts):
         return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)],
                           probe=probe)
 
-    def speculation_pays(self, num_requests: int) -> bool:
-        """Whether a decode step of ``num_requests`` requests, each accepted at the engine-wide rates and
-        allowed every draft, would give any of them drafts.
+    def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
+        """Whether a decode step of ``num_requests`` requests, ``num_dormant`` of them dormant and the
+        others accepted at the engine-wide rates and allowed every draft, would give any of them drafts.
+
+        The dormant requests are counted as the step's choice counts them: their rows and their share
+        of the step cost what they cost, and they draft nothing. A request admitted beside many of them
+        would draft with few others, paying the chain's depth for a small part of the step; asked as if
+        every request could draft, admission would start it drafting, the step's choice would give it
+        no drafts, and it would keep its draft state for nothing until it went dormant.
 
         Drafting then costs more than its forwards: every step, whether a request drafts or not, the
         proposer keeps its draft state (``keep_seconds``: fusing the target's states, catching up after
@@ -236,8 +244,8 @@ class GoodputController(FixedDrafts):
         rate of no drafts at all: what the model leaves out (a catch-up on each resumption, steps whose
         requests draft unevenly, a load priced from curves extrapolated past what has run) all falls
         on the side of drafting."""
-        chain = _chain(self.acceptance.engine_rates())
-        return any(self._best(num_requests, [chain] * num_requests, keeping=self.keep_seconds(num_requests),
+        chain, awake = _chain(self.acceptance.engine_rates()), num_requests - num_dormant
+        return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self.keep_seconds(awake),
                               margin=ADMIT_GAIN))
 
     def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0,
@@ -383,7 +391,8 @@ def calibrate(
     """Time target forwards of :func:`calibration_sizes` rows laid out like decode steps (requests of
     1 + k rows, at most ``max_requests`` of them), on throwaway requests freed after: the target
     curve's first points. Stops early when the KV cache cannot hold a size (the curve extrapolates
-    from there).
+    from there). The forwards of one row per request also give the draft and keeping curves their
+    shape by requests (``borrowed_shape``: :class:`~specdec.engine.cost_curve.CostCurve`).
 
     The rows carry distinct token ids spread over the vocabulary: a mixture of experts routes equal
     tokens to the same few experts, and a forward of one token repeated would price its rows like a
@@ -415,6 +424,9 @@ def calibrate(
             for request in ids:
                 free(request)
         controller.target_seconds.calibrate(layout.num_rows, min(seconds[1:]))
+        if requests == layout.num_rows:  # one row per request: the shape of forwards by requests
+            for curve in (controller.draft_seconds, controller.keep_seconds):
+                curve.calibrate(requests, min(seconds[1:]))
         measured = layout.num_rows
 
 

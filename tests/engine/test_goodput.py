@@ -125,6 +125,25 @@ def test_requests_admitted_where_drafts_do_not_pay_start_dormant():
     assert not controller.speculation_pays(2)
 
 
+def test_a_request_admitted_beside_dormant_ones_starts_as_it_would_draft_among_them():
+    # Rows are nearly free up to 16, then cost in proportion; a draft forward costs the same over any
+    # number of requests (its overhead), so the chain pays when several requests share it.
+    controller = _controller(3, lambda rows: max(0.01 + 0.0005 * rows, 0.0025 * rows - 0.022), lambda n: 0.004,
+                             {"seen": 3})
+    assert controller.speculation_pays(4) and not controller.speculation_pays(4, num_dormant=3)
+    busy = [f"busy{i}" for i in range(16)]
+    assert controller.choose(busy, [3] * 16, base_rows=16) == [0] * 16  # past 16 rows drafts do not pay
+    assert all(map(controller.is_dormant, busy))
+    # The load falls to 4, 3 of them dormant: drafting alone the newcomer would get no drafts (the
+    # step's choice says so too), so it starts dormant rather than keeping draft state for nothing.
+    assert controller.best_counts(["new", *busy[:3]], [3, 0, 0, 0], base_rows=4) == [0] * 4
+    assert controller.choose(["new", *busy[:3]], [3] * 4, base_rows=4) == [0] * 4
+    assert controller.is_dormant("new")
+    # With the dormant ones gone, 4 requests admitted together draft.
+    fresh = [f"fresh{i}" for i in range(4)]
+    assert all(controller.choose(fresh, [3] * 4, base_rows=4))
+
+
 def test_a_step_s_parts_are_timed_into_their_curves():
     controller = GoodputController(2)
     prefill = StepLayout.build(["a", "b"], [0, 0], [5, 5], [0, 0], torch.device("cpu"))
@@ -158,8 +177,12 @@ def test_calibration_times_every_size_a_lone_request_steps_at_and_the_largest_st
     llm = LLM(str(zoo_path("llama-tiny")), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=max_num_seqs,
               speculative_config={"method": "eagle3", "model": str(zoo_path("llama-tiny-eagle3")),
                                   "num_speculative_tokens": 3, "adaptive": True})
-    calibrated = llm.engine.draft_counts.target_seconds.calibrated
+    controller = llm.engine.draft_counts
+    calibrated = controller.target_seconds.calibrated
     assert sorted(calibrated) == sizes and all(seconds > 0 for seconds in calibrated.values())
+    # Forwards of one row per request shape the draft and keeping curves by requests.
+    one_row = {n: seconds for n, seconds in calibrated.items() if n <= max_num_seqs}
+    assert controller.draft_seconds.calibrated == controller.keep_seconds.calibrated == one_row
     assert calibration_sizes(5, 6) == [1, 2, 3, 4, 5, 6]
     assert calibration_sizes(3, 1000) == [1, 2, 3, 4, 8, 16, 32, 64, 128, CALIBRATION_MAX_ROWS]
 

@@ -187,28 +187,35 @@ def test_every_proposal_matches_the_reference(case, targets, tmp_path):
     assert all(e["probs"] is not None or e["params"].temperature == 0 for e in log)
 
 
-def test_a_request_left_without_drafts_waits_to_catch_up_and_then_drafts_as_the_reference(targets, tmp_path):
+@pytest.mark.parametrize("case", ["sglang_model-fc_norm-reduced", "mla-in-target-pool-fc_norm"])
+def test_a_request_left_without_drafts_waits_to_catch_up_and_then_drafts_as_the_reference(case, targets, tmp_path):
     """The adaptive controller gives some requests of a step no drafts: the draft forwards run over the
-    drafting requests only, and a request's rows wait until it drafts again, then give the reference's
-    drafts."""
-    folder = targets["llama"]
-    spec = DraftSpec(layout="sglang", kv_heads=4)
+    drafting requests only, and a request's rows wait until it drafts again (in a pool of the draft's
+    own, or the target's MLA pool), then give the reference's drafts."""
+    target_name, spec = CASES[case]
+    folder = targets[target_name]
     weights = write_oracle_draft(tmp_path / "draft", spec, folder, mix=MIX)
     llm = LLM(str(folder), dtype="float64", block_size=4, kv_cache_memory=MEMORY,
               speculative_config=spec_config(tmp_path / "draft", 3))
     proposer = llm.engine.proposer
-    forwards, steps = [], iter(range(10**6))
+    forwards, steps, proposing = [], iter(range(10**6)), False
     run_forward, propose_all = proposer._forward, proposer.propose
 
     def forward(requests, tokens, positions, hidden):
-        forwards[-1].append(set(requests))
+        if proposing:  # not a finished request's completion for the prefix cache (after the step)
+            forwards[-1].append(set(requests))
         return run_forward(requests, tokens, positions, hidden)
 
     def propose(seqs, max_drafts):  # request i sits out every third step, from step i on
+        nonlocal proposing
         step = next(steps)
         allowed = [0 if (step - seq.index) % 3 == 0 else m for seq, m in zip(seqs, max_drafts)]
         forwards.append([{s.seq_id for s, m in zip(seqs, allowed) if m}])
-        return propose_all(seqs, allowed)
+        proposing = True
+        try:
+            return propose_all(seqs, allowed)
+        finally:
+            proposing = False
 
     proposer._forward, proposer.propose = forward, propose
     log = record_proposals(llm)

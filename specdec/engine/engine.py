@@ -34,7 +34,8 @@ from specdec.distributed import parallel_state as ps
 from specdec.distributed.step_sync import StepSync
 from specdec.engine.acceptance_alarm import AcceptanceAlarm
 from specdec.engine.compat import check_batch_invariant
-from specdec.engine.goodput import FixedDrafts, GoodputController, calibrate
+from specdec.engine.calibration import calibrate
+from specdec.engine.goodput import FixedDrafts, GoodputController
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
@@ -175,15 +176,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         ids = checked_prompt(prompt_token_ids, self.model.vocab_size, self.max_model_len, index)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = EngineSequence(
-            self._next_id,
-            ids,
-            params,
-            seed=seed,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            index=index,
-        )
+        seq = EngineSequence(self._next_id, ids, params, seed=seed, eos_token_ids=self.eos_token_ids,
+                             max_model_len=self.max_model_len, index=index)
         # A request that cannot fit even alone would wait forever: refuse it now.
         self.cache.check_fits(seq.max_kv_tokens())
         self._next_id += 1
@@ -437,6 +431,8 @@ class LLMEngine:
             self.draft_counts.forget(seq.seq_id)
             if self.alarm is not None:
                 self.alarm.forget(seq.seq_id)
+        for seq in self.draft_counts.to_wake([s for s in seqs if not s.is_finished]):
+            self.scheduler.recompute(seq)  # a dormant request drafts again once recomputed
         for seq in seqs:
             self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)
         for seq in finished:

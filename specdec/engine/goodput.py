@@ -26,7 +26,7 @@ is a valid answer. It is lossless by construction: only
 how many drafts are verified changes, never how they are verified.
 
 A request given drafts in at most :data:`DORMANT_MAX_DRAFTING` of its last :data:`DORMANT_WINDOW`
-steps goes *dormant*: it gets no drafts again, and the engine tells the proposer
+steps goes *dormant*: it gets no drafts unless woken, and the engine tells the proposer
 (``StepFeedback.dormant``) so that it stops keeping the request's draft state. Keeping an EAGLE3 head
 ready costs every step whether it drafts or not (the target captures its aux layers, the proposer keeps
 their fused states), and each resumption costs a catch-up over every token missed, so drafting now
@@ -38,7 +38,9 @@ request's life, so a request starts dormant when a step of the present requests 
 even to those accepted at the engine-wide rates, once the cost of keeping their draft state is counted
 and the dormant ones among them draft nothing (:meth:`GoodputController.speculation_pays`). The
 question is asked afresh for every request admitted, so speculation comes back when the load falls
-and the dormant requests have finished.
+and the dormant requests have finished. A dormant request still running then is *woken* once, when
+drafting its remaining tokens saves more than rebuilding its draft state costs: the engine has the
+scheduler recompute it from prompt + output, as a preemption does (:meth:`GoodputController.to_wake`).
 
 Under tensor parallelism every rank must choose alike: the acceptance estimates follow the tokens,
 which every rank shares, and the cost curves are the driver's (sent with each step's message).
@@ -50,11 +52,10 @@ import heapq
 import itertools
 import operator
 import time
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
-from specdec.cache.paged_cache import KVCacheError
 from specdec.engine.cost_curve import CostCurve
 from specdec.runtime.layout import StepLayout
 
@@ -74,6 +75,11 @@ ADMIT_GAIN = 1.1
 # Every PROBE_EVERY-th choice gives a request that drafts one draft more than the best rate's
 # (:meth:`GoodputController.choose`).
 PROBE_EVERY = 8
+# A dormant request is woken (recomputed, to draft again) when drafting its remaining tokens would save
+# this many times what the recompute costs (its remaining tokens are a bound: a stop may come sooner).
+WAKE_GAIN = 2.0
+# ... and the step has at most 1 / WAKE_LOAD_FALL of the requests it had when the request went dormant.
+WAKE_LOAD_FALL = 2
 
 
 class AcceptanceEstimates:
@@ -151,8 +157,12 @@ class FixedDrafts:
         pass
 
     def is_dormant(self, request: Hashable) -> bool:
-        """Whether ``request`` will get no drafts again (its draft state need not be kept)."""
+        """Whether ``request`` gets no drafts unless it is woken (its draft state need not be kept)."""
         return False
+
+    def to_wake(self, seqs: Sequence) -> list:
+        """The dormant requests among running ``seqs`` to recompute so that they draft again."""
+        return []
 
     def forget(self, request: Hashable) -> None:
         pass
@@ -185,6 +195,8 @@ class GoodputController(FixedDrafts):
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
+        self._dormant_load: dict[Hashable, int] = {}  # per dormant request: the step's requests then
+        self._woken: set[Hashable] = set()  # requests woken once (:meth:`to_wake`), to be admitted drafting
         self._drafted: frozenset = frozenset()  # the requests whose drafts the last step verified
         self._choices = 0  # steps chosen for, which sets the probing ones (the same count on every rank)
         self._laps: dict[str, float] = {}
@@ -210,8 +222,9 @@ class GoodputController(FixedDrafts):
             dormant = not self.speculation_pays(len(requests), sum(map(self._dormant.__contains__, requests)))
             for request in new:
                 self._history[request] = 1  # the marker bit (:meth:`_note_drafting`)
-                if dormant:
+                if dormant and request not in self._woken:
                     self._dormant.add(request)
+                    self._dormant_load[request] = len(requests)
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
         if not any(caps):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
@@ -247,6 +260,42 @@ class GoodputController(FixedDrafts):
         chain, awake = _chain(self.acceptance.engine_rates()), num_requests - num_dormant
         return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self.keep_seconds(awake),
                               margin=ADMIT_GAIN))
+
+    def to_wake(self, seqs: Sequence) -> list:
+        """The dormant requests among the running ``seqs`` (anything with ``seq_id``, ``num_tokens`` and
+        ``max_len``) to recompute, as a preemption does, so that they draft again; each is woken once.
+
+        A dormant request keeps no draft state, so drafting again means running its context through the
+        target once more (its aux layers captured). That pays when the load has fallen, to at most
+        1 / :data:`WAKE_LOAD_FALL` of the requests beside it when it went dormant, and to where drafting
+        pays for every request present (:meth:`speculation_pays`, the ones woken before counted dormant),
+        and drafting their remaining tokens saves :data:`WAKE_GAIN` times the recompute (the woken
+        requests' contexts priced as decode rows, dearer than a prompt's). Without it, a request left
+        alone at the end of a busy spell decodes plainly to its end where drafting is fastest. The fall
+        is asked for because admission's question is the optimistic one: at concurrency 32 on the zoo
+        MiniMax-M3 pair it says drafting pays, the steps' choices then find it does not, and waking on
+        its word recomputed requests to draft at a load where drafts cost more than they bring."""
+        dormant = [s for s in seqs if s.seq_id in self._dormant and s.seq_id not in self._woken
+                   and len(seqs) * WAKE_LOAD_FALL <= self._dormant_load.get(s.seq_id, 0)]
+        n, stay = len(seqs), sum(s.seq_id in self._dormant for s in seqs) - len(dormant)
+        if not dormant or not self.speculation_pays(n, stay):
+            return []
+        # One request's seconds per token, plainly and with the step's best drafts at the engine-wide rates.
+        chain = _chain(self.acceptance.engine_rates())
+        counts = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self.keep_seconds(n - stay))
+        tokens = n + sum(sum(chain[:c]) for c in counts)
+        seconds = (self.other_seconds(n) + self.keep_seconds(n - stay) + self.target_seconds(n + sum(counts))
+                   + max(counts) * self.draft_seconds(sum(map(bool, counts))))
+        saved = self.other_seconds(n) + self.target_seconds(n) - seconds * n / tokens
+        remaining = sum(s.max_len - s.num_tokens for s in dormant) / len(dormant)
+        if saved * remaining < WAKE_GAIN * self.target_seconds(sum(s.num_tokens for s in dormant)):
+            return []
+        for s in dormant:  # admitted again as new (:meth:`choose`), drafting
+            self._dormant.discard(s.seq_id)
+            self._dormant_load.pop(s.seq_id, None)
+            self._history.pop(s.seq_id, None)
+            self._woken.add(s.seq_id)
+        return dormant
 
     def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0,
               probe: bool = False) -> list[int]:
@@ -299,6 +348,7 @@ class GoodputController(FixedDrafts):
                 history = full | (history & (full - 1))
                 if (history & (full - 1)).bit_count() <= DORMANT_MAX_DRAFTING:
                     self._dormant.add(request)
+                    self._dormant_load[request] = len(requests)
             self._history[request] = history
 
     # ----- what a step taught -----
@@ -353,6 +403,8 @@ class GoodputController(FixedDrafts):
         self.acceptance.forget(request)
         self._history.pop(request, None)
         self._dormant.discard(request)
+        self._dormant_load.pop(request, None)
+        self._woken.discard(request)
 
     # ----- lockstep under tensor parallelism -----
     def cost_state(self) -> tuple:
@@ -371,75 +423,6 @@ class GoodputController(FixedDrafts):
 def _chain(rates: Sequence[float]) -> list[float]:
     """The probability that drafts 1..j are all accepted, for each j, from conditional rates."""
     return list(itertools.accumulate(rates, operator.mul))
-
-
-# ----- the starting target curve -----
-CALIBRATION_MAX_ROWS = 256  # larger forwards are extrapolated until a step measures them
-_CALIBRATION_REQUEST = "goodput-calibration"
-_SPREAD = 7919  # a prime: successive rows' token ids land far apart in the vocabulary
-
-
-def calibrate(
-    controller: GoodputController,
-    forward: Callable[[StepLayout, list[list[int]]], object],
-    free: Callable[[Hashable], None],
-    *,
-    max_rows: int,
-    max_requests: int,
-    vocab_size: int,
-) -> None:
-    """Time target forwards of :func:`calibration_sizes` rows laid out like decode steps (requests of
-    1 + k rows, at most ``max_requests`` of them), on throwaway requests freed after: the target
-    curve's first points. Stops early when the KV cache cannot hold a size (the curve extrapolates
-    from there). The forwards of one row per request also give the draft and keeping curves their
-    shape by requests (``borrowed_shape``: :class:`~specdec.engine.cost_curve.CostCurve`).
-
-    The rows carry distinct token ids spread over the vocabulary: a mixture of experts routes equal
-    tokens to the same few experts, and a forward of one token repeated would price its rows like a
-    small dense model's (on the zoo MiniMax-M3, 128 rows cost 2x one row with one token repeated,
-    2.5-3x with distinct ones)."""
-    device, measured = controller.device, 0
-    for rows in calibration_sizes(controller.k, max_rows):
-        requests = min(rows, max_requests)
-        # The rows spread evenly over the requests, each at most 1 + k of them.
-        even, more = divmod(min(rows, requests * (controller.k + 1)), requests)
-        lengths = [even + 1] * more + [even] * (requests - more)
-        ids = [(_CALIBRATION_REQUEST, i) for i in range(requests)]
-        layout = StepLayout.build(ids, [0] * requests, lengths, [n - 1 for n in lengths], device)
-        if layout.num_rows <= measured:
-            break  # as many requests as may run, each with all its drafts: the largest decode step
-        firsts = itertools.accumulate(lengths, initial=0)
-        tokens = [[(_SPREAD * (first + j)) % vocab_size for j in range(n)] for first, n in zip(firsts, lengths)]
-        try:
-            seconds = []
-            for _ in range(3):  # the first run warms caches and allocator; the least of the others counts
-                started = clock(device)
-                forward(layout, tokens)
-                seconds.append(clock(device) - started)
-                for request in ids:
-                    free(request)
-        except KVCacheError:
-            break
-        finally:
-            for request in ids:
-                free(request)
-        controller.target_seconds.calibrate(layout.num_rows, min(seconds[1:]))
-        if requests == layout.num_rows:  # one row per request: the shape of forwards by requests
-            for curve in (controller.draft_seconds, controller.keep_seconds):
-                curve.calibrate(requests, min(seconds[1:]))
-        measured = layout.num_rows
-
-
-def calibration_sizes(k: int, max_rows: int) -> list[int]:
-    """The row counts calibration times: every one up to ``k + 1`` (what one request's step can be), the
-    powers of two past it, and the largest step itself (``max_rows``), all at most
-    :data:`CALIBRATION_MAX_ROWS`. Every size a lone request can choose gets a calibrated point, and
-    the largest gets one rather than being extrapolated: a size priced only by its first observed
-    step keeps that step's price until a probe re-measures it (at concurrency 1 with k=5, a first
-    6-row step read 1.5x what 6 rows cost)."""
-    last = min(max_rows, CALIBRATION_MAX_ROWS)
-    doubling = itertools.takewhile(lambda rows: rows < last, (2 ** i for i in itertools.count()))
-    return sorted({*range(1, min(k + 1, last) + 1), *doubling, last})
 
 
 def clock(device: torch.device) -> float:

@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._recompute: set = set()  # running requests to send back to the queue at the next step
         self._cache: PagedKVCache | None = None
         self._prefix: PrefixCaching | None = None
         self._lookahead = 0
@@ -125,6 +126,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def recompute(self, seq: Sequence) -> None:
+        """At the next step, send running ``seq`` back to the front of the queue to be recomputed from
+        prompt + output, as a preemption does (not counted as one): the adaptive controller waking a
+        dormant request, whose draft state only a recompute rebuilds."""
+        self._recompute.add(seq.seq_id)
+
     # ----- one step -----
     def schedule(self) -> ScheduledBatch:
         cache = self._cache
@@ -134,10 +141,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         left = math.inf if budget is None else budget
         batch = ScheduledBatch()
+        preempted, self._recompute = self._recompute, set()
+        for seq in self.running:
+            if seq.seq_id in preempted:
+                self._preempt(seq, free, counted=False)
+                batch.preempted.append(seq)
 
         # Decodes first, then prompts part-way through their prefill (vLLM's order).
-        queue = sorted(self.running, key=lambda s: self._query_len(s) > 1)
-        preempted: set[int] = set()
+        queue = sorted((s for s in self.running if s.seq_id not in preempted), key=lambda s: self._query_len(s) > 1)
         while queue:
             seq = queue.pop(0)
             cached = cache.num_tokens(seq.seq_id, self._primary)
@@ -212,12 +223,12 @@ class Scheduler:
             need[name] = max(0, pages - len(reused)) + (cache.num_evictable(name, reused) if reused else 0)
         return need
 
-    def _preempt(self, seq: Sequence, free: dict[str, int]) -> None:
+    def _preempt(self, seq: Sequence, free: dict[str, int], counted: bool = True) -> None:
         for name in self._block_sizes:
             free[name] += self._cache.num_freeable(seq.seq_id, name)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions += counted
 
 
 def _fits(need: dict[str, int], free: dict[str, int]) -> bool:

@@ -99,9 +99,9 @@ class StepFeedback:
     forward (``layout`` and ``target_output`` None, ``seqs`` empty). ``cache_finished``: the engine
     publishes the finished requests' pages to the prefix cache after this call, so a proposer whose
     rows trail the verified tokens may complete them now. ``dormant``: requests of the step that will
-    get no drafts again (the adaptive controller gave up on them); a proposer may stop keeping their
-    state (the target captured no aux layers when every request of the step is dormant), and their
-    pages stay until they are released.
+    get no drafts again unless preempted and recomputed (the adaptive controller gave up on them, and
+    wakes one that way); a proposer may stop keeping their state (the target captured no aux layers
+    when every request of the step is dormant), and their pages stay until they are released.
     """
 
     seqs: Sequence["EngineSequence"] = ()

@@ -21,14 +21,13 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.engine.cost_curve import CostCurve
 from specdec.engine.goodput import (
-    CALIBRATION_MAX_ROWS,
     DORMANT_MAX_DRAFTING,
     DORMANT_WINDOW,
     PROBE_EVERY,
     AcceptanceEstimates,
     GoodputController,
-    calibration_sizes,
 )
 from specdec.runtime.layout import StepLayout
 from specdec.zoo import zoo_path
@@ -144,6 +143,40 @@ def test_a_request_admitted_beside_dormant_ones_starts_as_it_would_draft_among_t
     assert all(controller.choose(fresh, [3] * 4, base_rows=4))
 
 
+class Running:
+    """What :meth:`GoodputController.to_wake` reads of a running request."""
+
+    def __init__(self, seq_id, num_tokens, max_len):
+        self.seq_id, self.num_tokens, self.max_len = seq_id, num_tokens, max_len
+
+
+def test_dormant_requests_are_woken_once_when_the_load_falls_and_enough_tokens_are_left():
+    # Forwards cost the same up to 8 rows, then grow in proportion; drafts are cheap and mostly accepted.
+    controller = _controller(3, lambda rows: max(0.02, 0.0025 * rows), lambda n: 0.0001, {"seen": 3})
+    busy = [f"busy{i}" for i in range(16)]
+    assert controller.choose(busy, [3] * 16, base_rows=16) == [0] * 16
+    crowd = [Running(r, 100, 400) for r in busy]
+    assert controller.to_wake(crowd) == []  # at 16 requests drafting does not pay
+    # Forwards now cost the same up to 64 rows: drafting pays at 9 requests, but the load has not
+    # halved since they went dormant (admission's word alone is the optimistic one).
+    flat = controller.target_seconds
+    controller.target_seconds = CostCurve()
+    for rows in (1, 8, 64):
+        controller.target_seconds.observe(rows, 0.02)
+    assert controller.speculation_pays(9) and controller.to_wake(crowd[:9]) == []
+    controller.target_seconds = flat
+    # The load falls to 2. Their two 100-token contexts cost 0.5 s to recompute (as 200 decode rows);
+    # drafting saves about 0.015 s a token at this load: 300 tokens left pay for it, 30 do not.
+    assert controller.to_wake([Running("busy0", 100, 130), Running("busy1", 100, 130)]) == []
+    left = [Running("busy0", 100, 400), Running("busy1", 100, 400)]
+    assert controller.to_wake(left) == left
+    assert not any(map(controller.is_dormant, ("busy0", "busy1")))
+    assert controller.to_wake(left) == []  # woken once: nothing to wake
+    # Recomputed, they come back as new requests and draft without the admission's question.
+    assert all(controller.choose(["busy0", "busy1"], [3, 3], base_rows=2))
+    assert not controller.is_dormant("busy0")
+
+
 def test_a_step_s_parts_are_timed_into_their_curves():
     controller = GoodputController(2)
     prefill = StepLayout.build(["a", "b"], [0, 0], [5, 5], [0, 0], torch.device("cpu"))
@@ -169,22 +202,6 @@ def test_a_step_s_parts_are_timed_into_their_curves():
     assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
     assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6]  # by requests not dormant
-
-
-@pytest.mark.parametrize("max_num_seqs, sizes", [(1, [1, 2, 3, 4]), (3, [1, 2, 3, 4, 8, 12])])
-def test_calibration_times_every_size_a_lone_request_steps_at_and_the_largest_step(max_num_seqs, sizes):
-    # k=3: one request steps at 1 to 4 rows; three requests of 4 rows are the largest decode step (12).
-    llm = LLM(str(zoo_path("llama-tiny")), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=max_num_seqs,
-              speculative_config={"method": "eagle3", "model": str(zoo_path("llama-tiny-eagle3")),
-                                  "num_speculative_tokens": 3, "adaptive": True})
-    controller = llm.engine.draft_counts
-    calibrated = controller.target_seconds.calibrated
-    assert sorted(calibrated) == sizes and all(seconds > 0 for seconds in calibrated.values())
-    # Forwards of one row per request shape the draft and keeping curves by requests.
-    one_row = {n: seconds for n, seconds in calibrated.items() if n <= max_num_seqs}
-    assert controller.draft_seconds.calibrated == controller.keep_seconds.calibrated == one_row
-    assert calibration_sizes(5, 6) == [1, 2, 3, 4, 5, 6]
-    assert calibration_sizes(3, 1000) == [1, 2, 3, 4, 8, 16, 32, 64, 128, CALIBRATION_MAX_ROWS]
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():
@@ -298,17 +315,25 @@ def test_adaptive_greedy_output_equals_plain_under_preemption(kind, planted, lla
         assert all(histogram), histogram  # every count from 0 to k was chosen, and held
 
 
+ZOO_PROMPTS = [[11, 12, 13, 14, 15, 16], [200, 201, 202], [7] * 12, [300, 301, 302, 303]]
+
+
+def zoo_adaptive_eagle3(params: SamplingParams) -> tuple[list, LLM]:
+    """Plain outputs of the zoo's llama-tiny on ``ZOO_PROMPTS``, and an adaptive EAGLE3 LLM over it
+    (float64), for a test to plant a controller in."""
+    target = str(zoo_path("llama-tiny"))
+    plain = LLM(target, dtype="float64", kv_cache_memory=1 << 22).generate(ZOO_PROMPTS, params, use_tqdm=False)
+    llm = LLM(target, dtype="float64", kv_cache_memory=1 << 22, speculative_config={
+        "method": "eagle3", "model": str(zoo_path("llama-tiny-eagle3")), "num_speculative_tokens": 3,
+        "adaptive": True})
+    return [o.token_ids for o in plain], llm
+
+
 def test_adaptive_eagle3_on_the_zoo_equals_plain():
-    target, draft = str(zoo_path("llama-tiny")), str(zoo_path("llama-tiny-eagle3"))
-    prompts = [[11, 12, 13, 14, 15, 16], [200, 201, 202], [7] * 12, [300, 301, 302, 303]]
-    plain = LLM(target, dtype="float64", kv_cache_memory=1 << 22)
-    expected = [o.token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
-    for planted in (False, True):
-        llm = LLM(target, dtype="float64", kv_cache_memory=1 << 22, speculative_config={
-            "method": "eagle3", "model": draft, "num_speculative_tokens": 3, "adaptive": True})
-        if planted:
-            llm.engine.draft_counts = PlantedChoices(3)
-        assert [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
+    expected, llm = zoo_adaptive_eagle3(PARAMS)
+    assert [o.token_ids for o in llm.generate(ZOO_PROMPTS, PARAMS, use_tqdm=False)] == expected
+    llm.engine.draft_counts = PlantedChoices(3)  # the same engine, its counts now chosen at random
+    assert [o.token_ids for o in llm.generate(ZOO_PROMPTS, PARAMS, use_tqdm=False)] == expected
 
 
 class PlantedDormancy(PlantedChoices):
@@ -319,13 +344,40 @@ class PlantedDormancy(PlantedChoices):
         return [0 if r in self._dormant else self._random.randint(0, cap) for r, cap in zip(requests, caps)]
 
 
+class PlantedWakes(PlantedDormancy):
+    """Like :class:`PlantedDormancy`, and wakes a random half of the dormant requests after each step."""
+
+    def to_wake(self, seqs):
+        woken = [s for s in seqs if s.seq_id in self._dormant and self._random.random() < 0.5]
+        self._dormant.difference_update(s.seq_id for s in woken)
+        return woken
+
+
+def test_woken_requests_are_recomputed_draft_again_and_outputs_stay_plain():
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected, llm = zoo_adaptive_eagle3(params)
+    engine = llm.engine
+    engine.draft_counts = PlantedWakes(3)
+    woken, drafted_after, recompute, propose = set(), set(), engine.scheduler.recompute, engine.proposer.propose
+
+    def recording_recompute(seq):
+        woken.add(seq.seq_id)
+        recompute(seq)
+
+    def recording_propose(seqs, max_drafts):
+        out = propose(seqs, max_drafts)
+        drafted_after.update(s.seq_id for s, d in zip(seqs, out.draft_token_ids) if d and s.seq_id in woken)
+        return out
+
+    engine.scheduler.recompute, engine.proposer.propose = recording_recompute, recording_propose
+    assert [o.token_ids for o in llm.generate(ZOO_PROMPTS, params, use_tqdm=False)] == expected
+    assert woken and drafted_after  # recomputed requests drafted again (their draft state rebuilt)
+    assert engine.stats.num_preemptions == 0  # a recompute the controller asks for is no preemption
+    assert engine.cache.requests() == [] and engine.proposer._states == {}
+
+
 def test_dormant_requests_keep_no_draft_state_and_outputs_stay_plain():
-    target, draft = str(zoo_path("llama-tiny")), str(zoo_path("llama-tiny-eagle3"))
-    prompts = [[11, 12, 13, 14, 15, 16], [200, 201, 202], [7] * 12, [300, 301, 302, 303]]
-    expected = [o.token_ids for o in LLM(target, dtype="float64", kv_cache_memory=1 << 22).generate(
-        prompts, PARAMS, use_tqdm=False)]
-    llm = LLM(target, dtype="float64", kv_cache_memory=1 << 22, speculative_config={
-        "method": "eagle3", "model": draft, "num_speculative_tokens": 3, "adaptive": True})
+    expected, llm = zoo_adaptive_eagle3(PARAMS)
     engine = llm.engine
     engine.draft_counts = PlantedDormancy(3)
     captured, run = [], engine.runner.run
@@ -341,7 +393,7 @@ def test_dormant_requests_keep_no_draft_state_and_outputs_stay_plain():
         return append(request, start, hidden)
 
     engine.runner.run, engine.proposer._append_hidden = recording_run, recording_append
-    assert [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == expected
+    assert [o.token_ids for o in llm.generate(ZOO_PROMPTS, PARAMS, use_tqdm=False)] == expected
     assert True in captured and False in captured  # steps whose requests were all dormant captured nothing
     assert kept and not any(kept)  # states were kept, never a dormant request's
     assert llm.spec_stats().num_drafts > 0

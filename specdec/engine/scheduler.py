@@ -61,9 +61,10 @@ class Scheduler:
     prefilled in chunks; each reserves pages for its rows plus its drafts in every pool of the cache.
     When the free pages do not cover a request, the most recently admitted running request still
     unscheduled is preempted: its pages are freed and it goes back to the front of the queue, to be
-    recomputed later from prompt + output. Waiting requests are then admitted (starting from the
-    longest cached prefix when prefix caching is on) while pages, ``max_num_seqs`` and the token
-    budget allow, unless a preemption happened this step (admitting then would thrash). A request
+    recomputed later from prompt + output (as is, at the start of the next step, a request the engine
+    asks to :meth:`recompute`). Waiting requests are then admitted (starting from the longest cached
+    prefix when prefix caching is on) while pages, ``max_num_seqs`` and the token budget allow, unless
+    a preemption happened this step (admitting then would thrash). A request
     gets drafts only in a step that computes its last token; a prompt chunk that ends earlier has
     none, and a running request left without budget waits for the next step, keeping its pages.
 

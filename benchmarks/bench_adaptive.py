@@ -16,6 +16,13 @@ ones' prompts would all run in one large forward, an advantage no real load give
 would understate speculation instead (requests that accept less finish later, and their batch runs on
 nearly empty).
 
+Prefix caching is off. Every level and round serves the same prompts again, so with it on, the second
+time a prompt ran its prefill came from the cache for every configuration but one: a request the
+adaptive controller sent dormant writes no draft rows, and a later request reusing its prompt runs
+the target over it again for the draft's hidden states. That charged ``adaptive`` alone for prompt
+reuse no held-out load has (on the zoo MiniMax-M3 pair, a c16 round in which every request was
+dormant read 0.88x of none with caching, 1.01x without).
+
 The machine's speed drifts (up to 1.7x between runs a minute apart on the shared development
 machine), so configurations are compared in *trials*: every configuration runs the same prompts, one
 after another, in an order that alternates between trials, and ratios are taken within a trial. A
@@ -117,7 +124,8 @@ def main() -> None:
 
     configs = {"none": None, **{f"k={k}": spec(k) for k in range(1, args.k + 1)}, f"adaptive k<={args.k}": spec(args.k, True)}
     count = {c: max(c * args.batches, args.min_prompts) for c in levels}  # prompts per level
-    common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0)
+    common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0,
+                  enable_prefix_caching=False)  # prompts repeat across levels and rounds (the docstring)
     llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
     spread = round(args.output_len * args.output_spread)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, seed=1)

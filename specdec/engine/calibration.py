@@ -27,8 +27,7 @@ def calibrate(
     """Time target forwards of :func:`calibration_sizes` rows laid out like decode steps (requests of
     1 + k rows, at most ``max_requests`` of them), on throwaway requests freed after: the target
     curve's first points. Stops early when the KV cache cannot hold a size (the curve extrapolates
-    from there). The forwards of one row per request also give the draft and keeping curves their
-    shape by requests (``borrowed_shape``: :class:`~specdec.engine.cost_curve.CostCurve`).
+    from there).
 
     The rows carry distinct token ids spread over the vocabulary: a mixture of experts routes equal
     tokens to the same few experts, and a forward of one token repeated would price its rows like a
@@ -60,9 +59,6 @@ def calibrate(
             for request in ids:
                 free(request)
         controller.target_seconds.calibrate(layout.num_rows, min(seconds[1:]))
-        if requests == layout.num_rows:  # one row per request: the shape of forwards by requests
-            for curve in (controller.draft_seconds, controller.keep_seconds):
-                curve.calibrate(requests, min(seconds[1:]))
         measured = layout.num_rows
 
 

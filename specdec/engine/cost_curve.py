@@ -28,19 +28,10 @@ class CostCurve:
     a size seen only at short contexts, is averaged with its neighbours rather than believed (which
     would make its size dearer than bigger ones) or made a bound (which would price every smaller size
     at one lucky step). Between sizes it interpolates linearly, past the ends it follows the nearest
-    segment (never below zero).
+    segment (never below zero)."""
 
-    ``borrowed_shape``: the calibration is another forward's shape, not this curve's cost (the draft
-    chain's and the keeping's curves take the target's decode forwards, one row per request). Until it
-    has observed a point such a curve prices nothing, as a curve without calibration does: at level 1
-    it would price a draft forward like a target forward, and an engine that never drafted would never
-    learn otherwise. Once it has, sizes past the ones observed follow the borrowed shape rather than
-    the slope of the last two observed points, which a few noisy points at small sizes make steep
-    (the keeping's curve read 1.5 ms at 4 requests after 0.6 ms at 3, and priced 16 at 12 ms)."""
-
-    def __init__(self, smoothing: float = 0.25, borrowed_shape: bool = False):
+    def __init__(self, smoothing: float = 0.25):
         self.smoothing = smoothing
-        self.borrowed_shape = borrowed_shape
         self.points: dict[int, float] = {}  # observed
         self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
         self.calibrated: dict[int, float] = {}
@@ -80,8 +71,6 @@ class CostCurve:
         return float(np.median(both)) if both else 1.0
 
     def _read(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._curve is None and self.borrowed_shape and not self.points:
-            self._curve = np.empty(0), np.empty(0)
         if self._curve is None:
             scale = self.level()
             merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}

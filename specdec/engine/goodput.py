@@ -188,10 +188,9 @@ class GoodputController(FixedDrafts):
         self.k = num_speculative_tokens
         self.device = device
         self.target_seconds = CostCurve()  # one target forward, by rows
-        self.draft_seconds = CostCurve(borrowed_shape=True)  # one draft forward (a chain's step), by drafting requests
+        self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
-        # keeping draft states ready (and catching up), by requests not dormant
-        self.keep_seconds = CostCurve(borrowed_shape=True)
+        self.keep_seconds = CostCurve()  # keeping draft states ready (and catching up), by requests not dormant
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()

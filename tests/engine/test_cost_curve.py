@@ -52,21 +52,3 @@ def test_calibration_gives_the_shape_and_steps_the_level():
     copy = CostCurve()
     copy.load(curve.state())
     assert [copy(n) for n in (8, 20, 128, 300)] == [curve(n) for n in (8, 20, 128, 300)]
-
-
-def test_a_borrowed_shape_prices_nothing_until_observed_then_extrapolates_along_it():
-    curve = CostCurve(borrowed_shape=True)  # a draft forward's cost, shaped like the target's decode forwards
-    for requests, seconds in ((1, 8.0), (2, 8.5), (3, 9.0), (4, 9.5), (16, 12.0)):
-        curve.calibrate(requests, seconds)
-    assert curve(1) == curve(16) == 0.0  # not a draft forward's level: nothing known yet
-    curve.observe(1, 0.8)  # one request's draft forwards (an engine that has served one at a time)
-    assert curve(16) == pytest.approx(1.2)  # along the shape, not 16 x 0.8 in proportion
-    for requests, seconds in ((2, 0.85), (3, 0.9), (4, 1.1)):  # a slowish step at 4 requests
-        curve.observe(requests, seconds)
-    # Median level 0.1: 16 requests cost the shape's 12.0 at it, not the 3.5 that the slope of the last
-    # two observed points (0.2 per request from 3 to 4) would reach.
-    assert curve(16) == pytest.approx(1.2)
-    plain = CostCurve()
-    plain.load(curve.state())
-    assert plain(16) == pytest.approx(1.2)  # what differs is only the price before an observation
-    assert CostCurve(borrowed_shape=False).over(1, 2) == [0.0, 0.0]

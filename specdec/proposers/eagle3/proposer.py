@@ -43,6 +43,7 @@ from specdec.proposers.base import ModelProposer, Proposal, ProposerContext, Pro
 from specdec.proposers.chain import draft_chain
 from specdec.proposers.eagle3.loading import load_eagle3_draft
 from specdec.proposers.eagle3.options import Eagle3Options
+from specdec.proposers.eagle3.request_state import RequestState
 from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, keys_from
 from specdec.runtime.block_size import choose_block_size
 from specdec.runtime.model_runner import paged_metadata
@@ -52,26 +53,6 @@ from specdec.sampling.sampler import SamplingBatch
 
 DRAFT_POOL = "draft"
 METHODS = ("eagle3", "eagle3.1-mla")
-
-
-@attrs.define
-class _RequestState:
-    """What the proposer remembers of one request.
-
-    ``hidden`` holds fused target states (``[n, H]``) for hidden indices ``hidden_start ..
-    hidden_start + n - 1``; ``done`` is how many hidden indices (from ``-position_offset``) the draft
-    has run over with these true states. The last consumed row stays in ``hidden`` so a step with
-    nothing new can re-run it.
-    """
-
-    hidden: torch.Tensor
-    hidden_start: int
-    done: int
-
-    @property
-    def known(self) -> int:
-        """Hidden indices known so far: the target has computed positions ``< known``."""
-        return self.hidden_start + self.hidden.shape[0]
 
 
 @keys_from(Eagle3Options)
@@ -120,7 +101,7 @@ class Eagle3Proposer(ModelProposer):
         self.pool: str | None = None  # where the draft's KV lives
         self.shares_target_pool = False
         self.aux_layer_ids: tuple[int, ...] = ()
-        self._states: dict[Hashable, _RequestState] = {}
+        self._states: dict[Hashable, RequestState] = {}
 
     # ----- setup -----
     def setup(self, context: ProposerContext) -> ProposerPools:
@@ -256,21 +237,12 @@ class Eagle3Proposer(ModelProposer):
                 if not will_draft:
                     continue
                 lo = state.known - 1  # nothing new since the last step: re-run the last row for its logits
-            if lo < state.hidden_start:
-                raise RuntimeError(
-                    f"EAGLE3 proposer lost track of request {seq.seq_id!r}: it needs the target state of position "
-                    f"{lo} but keeps them from {state.hidden_start}"
-                )
             hi = state.known
+            hidden.append(state.take(seq.seq_id, lo))
             self._prepare_rows(seq.seq_id, lo)
             requests.append(seq.seq_id)
             tokens.append(seq.token_ids[lo + 1 : hi + 1])
             positions.append((lo + off, hi + off))
-            hidden.append(state.hidden[lo - state.hidden_start : hi - state.hidden_start])
-            state.done = hi
-            # Keep only the last consumed row (for a step that brings nothing new); a copy, so the
-            # prompt's states are released now rather than at the next step.
-            state.hidden, state.hidden_start = state.hidden[hi - 1 - state.hidden_start :].clone(), hi - 1
             if will_draft:
                 ready.append(i)
                 last_rows.append(sum(map(len, tokens)) - 1)
@@ -427,23 +399,9 @@ class Eagle3Proposer(ModelProposer):
                     f"holds rows up to {rows_held}: the states in between are missing"
                 )
             rows = hidden if boot is None else torch.cat([boot.to(hidden.dtype), hidden])
-            self._states[request] = _RequestState(rows, first, done)
-            return
-        if start > state.known:
-            raise RuntimeError(
-                f"EAGLE3 proposer is missing target states of request {request!r} for positions "
-                f"{state.known}..{start - 1}"
-            )
-        if start < state.known:
-            # Rows recomputed by the target (never in the current engine): theirs replace ours.
-            if start < max(state.hidden_start, state.done - 1):
-                raise RuntimeError(
-                    f"EAGLE3 proposer: request {request!r} recomputed position {start}, before rows the draft "
-                    "already consumed; free the request first"
-                )
-            state.hidden = state.hidden[: start - state.hidden_start]
-            state.done = min(state.done, start)
-        state.hidden = torch.cat([state.hidden, hidden])
+            self._states[request] = RequestState(rows, first, done)
+        else:
+            state.extend(request, start, hidden)
 
 
 

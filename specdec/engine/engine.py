@@ -431,7 +431,7 @@ class LLMEngine:
             self.draft_counts.forget(seq.seq_id)
             if self.alarm is not None:
                 self.alarm.forget(seq.seq_id)
-        for seq in self.draft_counts.to_wake([s for s in seqs if not s.is_finished]):
+        for seq in self.draft_counts.to_wake(seqs):
             self.scheduler.recompute(seq)  # a dormant request drafts again once recomputed
         for seq in seqs:
             self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)

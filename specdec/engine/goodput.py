@@ -161,7 +161,7 @@ class FixedDrafts:
         return False
 
     def to_wake(self, seqs: Sequence) -> list:
-        """The dormant requests among running ``seqs`` to recompute so that they draft again."""
+        """The dormant requests among the step's unfinished ``seqs`` to recompute so that they draft again."""
         return []
 
     def forget(self, request: Hashable) -> None:
@@ -238,7 +238,7 @@ class GoodputController(FixedDrafts):
         ``probe``, one draft more for a request given drafts, where its cap allows."""
         prior = self.acceptance.engine_rates()
         return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)],
-                          probe=probe)
+                          probe=probe)[0]
 
     def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
         """Whether a decode step of ``num_requests`` requests, ``num_dormant`` of them dormant and the
@@ -258,11 +258,12 @@ class GoodputController(FixedDrafts):
         on the side of drafting."""
         chain, awake = _chain(self.acceptance.engine_rates()), num_requests - num_dormant
         return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self.keep_seconds(awake),
-                              margin=ADMIT_GAIN))
+                              margin=ADMIT_GAIN)[0])
 
     def to_wake(self, seqs: Sequence) -> list:
-        """The dormant requests among the running ``seqs`` (anything with ``seq_id``, ``num_tokens`` and
-        ``max_len``) to recompute, as a preemption does, so that they draft again; each is woken once.
+        """The dormant requests among the step's unfinished ``seqs`` (anything with ``seq_id``,
+        ``num_tokens``, ``max_len`` and ``is_finished``) to recompute, as a preemption does, so that they
+        draft again; each is woken once.
 
         A dormant request keeps no draft state, so drafting again means running its context through the
         target once more (its aux layers captured). That pays when the load has fallen, to at most
@@ -274,6 +275,7 @@ class GoodputController(FixedDrafts):
         is asked for because admission's question is the optimistic one: at concurrency 32 on the zoo
         MiniMax-M3 pair it says drafting pays, the steps' choices then find it does not, and waking on
         its word recomputed requests to draft at a load where drafts cost more than they bring."""
+        seqs = [s for s in seqs if not s.is_finished]
         dormant = [s for s in seqs if s.seq_id in self._dormant and s.seq_id not in self._woken
                    and len(seqs) * WAKE_LOAD_FALL <= self._dormant_load.get(s.seq_id, 0)]
         n, stay = len(seqs), sum(s.seq_id in self._dormant for s in seqs) - len(dormant)
@@ -281,11 +283,8 @@ class GoodputController(FixedDrafts):
             return []
         # One request's seconds per token, plainly and with the step's best drafts at the engine-wide rates.
         chain = _chain(self.acceptance.engine_rates())
-        counts = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self.keep_seconds(n - stay))
-        tokens = n + sum(sum(chain[:c]) for c in counts)
-        seconds = (self.other_seconds(n) + self.keep_seconds(n - stay) + self.target_seconds(n + sum(counts))
-                   + max(counts) * self.draft_seconds(sum(map(bool, counts))))
-        saved = self.other_seconds(n) + self.target_seconds(n) - seconds * n / tokens
+        _, rate = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self.keep_seconds(n - stay))
+        saved = self.other_seconds(n) + self.target_seconds(n) - n / rate
         remaining = sum(s.max_len - s.num_tokens for s in dormant) / len(dormant)
         if saved * remaining < WAKE_GAIN * self.target_seconds(sum(s.num_tokens for s in dormant)):
             return []
@@ -297,10 +296,12 @@ class GoodputController(FixedDrafts):
         return dormant
 
     def _best(self, base_rows: int, gains: list[list[float]], keeping: float = 0.0, margin: float = 1.0,
-              probe: bool = False) -> list[int]:
-        """Best counts for requests whose drafts 1, 2, ... are accepted with probabilities ``gains[i]``;
-        ``keeping``: seconds a step owes only if it drafts at all; drafts only at ``margin`` times the
-        rate of none; ``probe``: one draft more for a request the best gives drafts (:meth:`choose`)."""
+              probe: bool = False) -> tuple[list[int], float]:
+        """Best counts for requests whose drafts 1, 2, ... are accepted with probabilities ``gains[i]``,
+        and the step's expected tokens per second at them (before a probe; with none chosen, ``margin``
+        times the rate of none); ``keeping``: seconds a step owes only if it drafts at all; drafts only at
+        ``margin`` times the rate of none; ``probe``: one draft more for a request the best gives drafts
+        (:meth:`choose`)."""
         # Seconds of the step: the rest of it (whatever the drafts) + the target's forward over its rows
         # (by drafts taken) + the chain's depth times a draft forward over the drafting requests.
         other = self.other_seconds(len(gains))
@@ -334,7 +335,7 @@ class GoodputController(FixedDrafts):
             deeper = next((i for i in taken[best_taken:] if counts[i]), None)
             if deeper is not None:
                 counts[deeper] += 1
-        return counts
+        return counts, best_rate
 
     def _note_drafting(self, requests: Sequence[Hashable], caps: Sequence[int], counts: Sequence[int]) -> None:
         """Record who drafted this step; requests that drafted in few of their last steps go dormant."""

@@ -146,6 +146,8 @@ def test_a_request_admitted_beside_dormant_ones_starts_as_it_would_draft_among_t
 class Running:
     """What :meth:`GoodputController.to_wake` reads of a running request."""
 
+    is_finished = False
+
     def __init__(self, seq_id, num_tokens, max_len):
         self.seq_id, self.num_tokens, self.max_len = seq_id, num_tokens, max_len
 
@@ -348,7 +350,7 @@ class PlantedWakes(PlantedDormancy):
     """Like :class:`PlantedDormancy`, and wakes a random half of the dormant requests after each step."""
 
     def to_wake(self, seqs):
-        woken = [s for s in seqs if s.seq_id in self._dormant and self._random.random() < 0.5]
+        woken = [s for s in seqs if not s.is_finished and s.seq_id in self._dormant and self._random.random() < 0.5]
         self._dormant.difference_update(s.seq_id for s in woken)
         return woken
 

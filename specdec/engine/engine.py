@@ -138,7 +138,8 @@ class LLMEngine:
         self.num_speculative_tokens = proposer.num_speculative_tokens if proposer is not None else 0
         self.aux_layer_ids = tuple(proposer.aux_layer_ids) if proposer is not None else ()
         self.prefix = PrefixCaching(cache, pools, proposer, enabled=enable_prefix_caching)
-        self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens, self.prefix)
+        self.scheduler.bind(cache, TARGET_POOL, self.num_speculative_tokens, self.prefix,
+                            dormant=lambda requests: self.draft_counts.admit(requests))
 
         self.sync = sync
         self.stats = EngineStats()

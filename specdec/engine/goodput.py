@@ -156,6 +156,10 @@ class FixedDrafts:
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         pass
 
+    def admit(self, requests: Sequence[Hashable]) -> frozenset:
+        """The dormant ones among a step's ``requests`` (deciding for new ones whether they start so)."""
+        return frozenset()
+
     def is_dormant(self, request: Hashable) -> bool:
         """Whether ``request`` gets no drafts unless it is woken (its draft state need not be kept)."""
         return False
@@ -216,6 +220,20 @@ class GoodputController(FixedDrafts):
         never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
         5, the 6-row forward read 14-18 ms that way and stayed there, while steps made to run it read
         9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
+        self.admit(requests)
+        caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
+        if not any(caps):
+            return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
+        self._choices += 1
+        counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
+        self._note_drafting(requests, caps, counts)
+        return counts
+
+    def admit(self, requests: Sequence[Hashable]) -> frozenset:
+        """The dormant ones among a step's ``requests``, once those new to the controller have been given
+        their start: dormant when drafting does not pay for the step's requests (:meth:`speculation_pays`;
+        a woken request always drafts). The scheduler asks as it admits them, so that a request starting
+        dormant matches the prefix cache on the target's pools alone (it needs no draft state)."""
         new = [request for request in requests if request not in self._history]
         if new:
             dormant = not self.speculation_pays(len(requests), sum(map(self._dormant.__contains__, requests)))
@@ -224,13 +242,7 @@ class GoodputController(FixedDrafts):
                 if dormant and request not in self._woken:
                     self._dormant.add(request)
                     self._dormant_load[request] = len(requests)
-        caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
-        if not any(caps):
-            return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
-        self._choices += 1
-        counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
-        self._note_drafting(requests, caps, counts)
-        return counts
+        return frozenset(filter(self._dormant.__contains__, requests))
 
     def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int, *,
                     probe: bool = False) -> list[int]:

@@ -91,16 +91,18 @@ class PrefixCaching:
         self._chains: dict[Hashable, dict[int, PageKeyChain]] = {}
 
     # ----- admission -----
-    def match(self, seq: Sequence, max_recompute: float = math.inf) -> PrefixMatch | None:
+    def match(self, seq: Sequence, max_recompute: float = math.inf, *, drafting: bool = True) -> PrefixMatch | None:
         """The longest prefix ``seq`` can reuse now (None: nothing), recomputing at most ``max_recompute``
-        target rows; reads the cache, changes nothing."""
+        target rows; reads the cache, changes nothing. ``drafting=False``: a request that keeps no draft
+        state (dormant under ``adaptive``) reuses the target's pools alone, as a plain request does."""
         if not self.enabled or seq.params.prompt_logprobs is not None:
             return None
         limit = seq.num_tokens - 1  # the last token is always computed
-        found = {name: self.cache.lookup(name, self._keys(seq, name, 0, limit // bs))
-                 for name, bs in self._block_size.items()}
-        own = self._group_length(self._own, found) if self._own else None
-        if self._prompt_free:
+        pools = self._target + self._own if drafting else self._target
+        found = {name: self.cache.lookup(name, self._keys(seq, name, 0, limit // self._block_size[name]))
+                 for name in pools}
+        own = self._group_length(self._own, found) if self._own and drafting else None
+        if self._prompt_free and drafting:
             # A prompt-free pool's rows begin at the prompt's end, from the target's states there: a
             # recomputed request (preempted with output) computes its output positions again.
             own = seq.num_prompt_tokens if own is None else self._align(min(own, seq.num_prompt_tokens), self._own)
@@ -111,7 +113,7 @@ class PrefixCaching:
             if recompute > max_recompute:
                 target, recompute = self._align(min(target, own - self._lead), self._target), 0
         lengths = {**{name: target for name in self._target}, **{name: own for name in self._own}}
-        blocks = {name: tuple(found[name][: lengths[name] // bs]) for name, bs in self._block_size.items()}
+        blocks = {name: tuple(found[name][: lengths[name] // self._block_size[name]]) for name in pools}
         if not any(blocks.values()):
             return None
         return PrefixMatch(target, {name: b for name, b in blocks.items() if b}, recompute)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Callable, Collection, Hashable
 
 import attrs
 
@@ -63,8 +64,9 @@ class Scheduler:
     unscheduled is preempted: its pages are freed and it goes back to the front of the queue, to be
     recomputed later from prompt + output (as is, at the start of the next step, a request the engine
     asks to :meth:`recompute`). Waiting requests are then admitted (starting from the longest cached
-    prefix when prefix caching is on) while pages, ``max_num_seqs`` and the token budget allow, unless
-    a preemption happened this step (admitting then would thrash). A request
+    prefix when prefix caching is on; on the target's pools alone for one starting dormant) while pages,
+    ``max_num_seqs`` and the token budget allow, unless a preemption happened this step (admitting then
+    would thrash). A request
     gets drafts only in a step that computes its last token; a prompt chunk that ends earlier has
     none, and a running request left without budget waits for the next step, keeping its pages.
 
@@ -84,19 +86,22 @@ class Scheduler:
         self._lookahead = 0
 
     def bind(
-        self, cache: PagedKVCache, primary_pool: str, num_lookahead: int = 0, prefix: PrefixCaching | None = None
+        self, cache: PagedKVCache, primary_pool: str, num_lookahead: int = 0, prefix: PrefixCaching | None = None,
+        dormant: Callable[[list[Hashable]], Collection[Hashable]] | None = None,
     ) -> None:
         """Attach the (built) cache.
 
         ``primary_pool`` is the target's main pool (its length is what a request has computed);
         ``num_lookahead`` is k, the drafts a request may get per step; ``prefix`` finds the cached
         pages a newly admitted request can reuse. Reservations cover every pool of the cache, the
-        proposer's included.
+        proposer's included. ``dormant``: given a step's requests, the ones that keep no draft state
+        (the adaptive controller's ``admit``, which decides for the newly admitted as it is asked).
         """
         self._cache = cache
         self._primary = primary_pool
         self._lookahead = num_lookahead
         self._prefix = prefix
+        self._dormant = dormant
         self._block_sizes = {name: pool.block_size for name, pool in cache.pools.items()}
 
     # ----- queue -----
@@ -173,6 +178,7 @@ class Scheduler:
             left -= rows + drafts
         self.running = [s for s in self.running if s.seq_id not in preempted]
 
+        admitted: dict[int, dict[str, int]] = {}  # index in the batch -> the pages it took
         if not batch.preempted:
             while self.waiting and len(self.running) < self.config.max_num_seqs and left > 0:
                 seq = self.waiting[0]
@@ -191,11 +197,41 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                admitted[len(batch.seqs)] = need
                 batch.add(seq, rows, drafts)
                 if match is not None:
                     batch.reuse[seq.seq_id] = match
                 left -= rows + drafts
+        if admitted and self._dormant is not None:
+            self._match_dormant(batch, admitted, free)
         return batch
+
+    def _match_dormant(self, batch: ScheduledBatch, admitted: dict[int, dict[str, int]], free: dict[str, int]) -> None:
+        """Match the requests just admitted that start dormant again, on the target's pools alone: they
+        keep no draft state, so they reuse what a plain request would, and the target recomputes no
+        reused rows for a draft's hidden states. Whether a request starts dormant depends on the step's
+        requests, so it is asked once they are all admitted. The new match never runs more rows (it
+        reuses at least as much of the target's pools); it is taken where its pages fit."""
+        dormant = self._dormant([seq.seq_id for seq in batch.seqs])
+        for i, taken in admitted.items():
+            seq = batch.seqs[i]
+            if seq.seq_id not in dormant or self._prefix is None:
+                continue
+            old, match = batch.reuse.get(seq.seq_id), self._prefix.match(seq, drafting=False)
+            if match == old:
+                continue
+            cached = match.num_cached_tokens if match is not None else 0
+            rows, drafts = self._rows(seq, seq.num_tokens - cached, batch.num_new_tokens[i] + batch.max_drafts[i])
+            need = self._blocks_needed(seq, cached + rows + drafts, match)
+            _take({name: -n for name, n in taken.items()}, free)  # give back what the first match took
+            if not _fits(need, free):
+                _take(taken, free)
+                continue
+            _take(need, free)
+            batch.num_new_tokens[i], batch.max_drafts[i] = rows, drafts
+            batch.reuse.pop(seq.seq_id, None)
+            if match is not None:
+                batch.reuse[seq.seq_id] = match
 
     def _rows(self, seq: Sequence, remaining: int, left: float, whole: bool = False) -> tuple[int, int]:
         """Rows and drafts ``seq`` runs with ``left`` budget tokens: its ``remaining`` uncached tokens or a

@@ -100,9 +100,12 @@ def spec_config(models: dict, target: str, proposer: str, k: int = K) -> dict | 
 
 
 def make_llm(models: dict, target: str, proposer: str, *, caching: bool = True, memory: int = 1 << 23,
-             max_num_seqs: int = 3, **kwargs) -> LLM:
+             max_num_seqs: int = 3, adaptive: bool = False, **kwargs) -> LLM:
+    spec = spec_config(models, target, proposer)
+    if adaptive:
+        spec["adaptive"] = True
     return LLM(str(models[target]), dtype="float64", block_size=BLOCK[target], kv_cache_memory=memory,
-               speculative_config=spec_config(models, target, proposer), enable_prefix_caching=caching,
+               speculative_config=spec, enable_prefix_caching=caching,
                max_model_len=512 if target == "minimax" else 256, max_num_seqs=max_num_seqs, **kwargs)
 
 

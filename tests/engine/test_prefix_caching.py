@@ -22,6 +22,7 @@ pages):
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -41,6 +42,7 @@ from prefix_workload import (
 )
 
 from specdec import SamplingParams
+from specdec.engine.goodput import GoodputController
 
 SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234, ignore_eos=True)
 
@@ -301,3 +303,43 @@ def test_prompt_logprobs_requests_reuse_nothing_and_match(models):
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 0
         for x, y in zip(a.prompt_logprobs, b.prompt_logprobs):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-9
+
+
+class NeverPays(GoodputController):
+    """Admission finds that drafting never pays: every request starts dormant."""
+
+    def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
+        return False
+
+
+class CoinPays(GoodputController):
+    """Admission's answer is a seeded coin: dormant and drafting requests share the cache."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self._coin = random.Random(0)
+
+    def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
+        return self._coin.random() < 0.5
+
+
+@pytest.mark.parametrize("admission", [NeverPays, CoinPays], ids=["all-dormant", "mixed"])
+@pytest.mark.parametrize("target,proposer", [("llama", "eagle3"), ("llama", "eagle3-unshifted-sharing"),
+                                             ("llama", "draft_model"), ("minimax", "eagle3"),
+                                             ("deepseek", "eagle3.1-mla")])
+def test_requests_starting_dormant_reuse_the_target_s_pages_as_a_plain_request_does(
+        target, proposer, admission, models, baseline, plain_hits):
+    llm = make_llm(models, target, proposer, adaptive=True)
+    llm.engine.draft_counts = admission(K)
+    reused = record_reuse(llm)
+    outputs, _ = run_workload(llm)
+    assert outputs == baseline(target)
+    stats = llm.engine.prefix_cache_stats()
+    if proposer != "eagle3.1-mla":  # its draft rows share the target's pages: a dormant request's are not final
+        assert stats.hits == plain_hits(target)
+    if admission is NeverPays:
+        assert llm.spec_stats().num_drafts == 0
+        assert stats.recomputed == 0  # no reused row was run again for a draft's hidden states
+        assert not set(reused) & _draft_pools(llm)
+    else:
+        assert llm.spec_stats().num_drafts > 0

@@ -30,6 +30,13 @@ def successor_key(key: bytes, successor: int) -> bytes:
     return hashlib.blake2b(key + array("q", (successor,)).tobytes(), digest_size=16, person=b"succ").digest()
 
 
+def target_only_key(key: bytes) -> bytes:
+    """The key of a page of a pool the target shares with a draft, published where only the target's
+    rows are final (a request that keeps no draft state): only a request that reads the target's rows
+    alone may reuse it."""
+    return hashlib.blake2b(key, digest_size=16, person=b"target-only").digest()
+
+
 class PageKeyChain:
     """One request's chained page keys at one page size (grown with :meth:`extend`)."""
 

@@ -426,6 +426,8 @@ class LLMEngine:
                 self.spec_stats.observe(layout.num_drafts, num_accepted)
                 if self.alarm is not None:
                     self.spec_stats.warnings += self.alarm.observe(layout.requests, layout.num_drafts, num_accepted)
+        for seq in seqs:  # full, final pages become reusable (a finished request's too)
+            self.prefix.publish(seq, drafting=not self.draft_counts.is_dormant(seq.seq_id))
         for seq, drafted, accepted in zip(seqs, layout.num_drafts, num_accepted):
             self.draft_counts.observe_verified(seq.seq_id, drafted, accepted)
         for seq in finished:
@@ -434,8 +436,6 @@ class LLMEngine:
                 self.alarm.forget(seq.seq_id)
         for seq in self.draft_counts.to_wake(seqs):
             self.scheduler.recompute(seq)  # a dormant request drafts again once recomputed
-        for seq in seqs:
-            self.prefix.publish(seq)  # full, final pages become reusable (a finished request's too)
         for seq in finished:
             self.scheduler.finish(seq)
             cache.free(seq.seq_id)

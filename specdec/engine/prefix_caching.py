@@ -17,6 +17,11 @@ the longest prefix its pools hold:
 - prompt-free pools (a draft reading the prompt's KV from the target) hold no prompt and are not cached;
   their rows start at the prompt's end, so a recomputed request reuses no further than its prompt.
 
+A request that keeps no draft state (dormant under the adaptive controller) reuses the target's pools
+alone, as a plain request does. Its pages of a pool the draft joined hold no final draft rows, so they
+are published under target-only keys (:func:`~specdec.cache.page_keys.target_only_key`), which only
+such requests look up.
+
 At least the request's last token is always computed (its logits are the next token's), and a request
 that asks for prompt logprobs reuses nothing (they are computed with the prompt).
 
@@ -31,7 +36,7 @@ from typing import Hashable, Mapping
 
 import attrs
 
-from specdec.cache.page_keys import PageKeyChain
+from specdec.cache.page_keys import PageKeyChain, target_only_key
 from specdec.cache.paged_cache import PagedKVCache
 from specdec.engine.pools import EnginePools
 from specdec.proposers.base import Proposer
@@ -99,7 +104,7 @@ class PrefixCaching:
             return None
         limit = seq.num_tokens - 1  # the last token is always computed
         pools = self._target + self._own if drafting else self._target
-        found = {name: self.cache.lookup(name, self._keys(seq, name, 0, limit // self._block_size[name]))
+        found = {name: self._lookup(name, self._keys(seq, name, 0, limit // self._block_size[name]), drafting)
                  for name in pools}
         own = self._group_length(self._own, found) if self._own and drafting else None
         if self._prompt_free and drafting:
@@ -129,20 +134,25 @@ class PrefixCaching:
             self.cache.adopt(seq.seq_id, name, blocks)
 
     # ----- after a step -----
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: Sequence, *, drafting: bool = True) -> None:
         """Publish every full page of ``seq`` whose content is final (positions whose tokens are known
-        and verified; in a joined pool, as far as the proposer's rows are final)."""
+        and verified; in a joined pool, as far as the proposer's rows are final). ``drafting=False``: a
+        request keeping no draft state publishes its joined pools' pages for the target's rows alone,
+        under keys only such requests look up (:func:`~specdec.cache.page_keys.target_only_key`)."""
         if not self.enabled:
             return
         request, verified = seq.seq_id, seq.num_tokens - 1
-        joined_final = self._joined_rows(request) if self._joined_rows is not None else verified
+        joined_final = self._joined_rows(request) if self._joined_rows is not None and drafting else verified
         for name, bs in self._block_size.items():
             final = min(self.cache.num_tokens(request, name), verified)
             if name in self._joined:
                 final = min(final, joined_final)
             first = self.cache.num_published(request, name)
             if final // bs > first:
-                self.cache.publish(request, name, self._keys(seq, name, first, final // bs))
+                keys = self._keys(seq, name, first, final // bs)
+                if name in self._joined and not drafting:
+                    keys = list(map(target_only_key, keys))
+                self.cache.publish(request, name, keys)
 
     def release(self, request: Hashable) -> None:
         """Forget a finished request's page keys."""
@@ -157,6 +167,19 @@ class PrefixCaching:
         if chain is None:
             chain = chains[bs] = PageKeyChain(bs)
         return chain.pool_keys(seq.token_ids, first, end, pool in self._successor)
+
+    def _lookup(self, pool: str, keys: list[bytes], drafting: bool) -> list[int]:
+        """The cached blocks of ``pool`` holding the longest run of leading ``keys``; a request that reads
+        the target's rows alone (not ``drafting``) takes a joined pool's page published either way."""
+        if drafting or pool not in self._joined:
+            return self.cache.lookup(pool, keys)
+        found = []
+        for key in keys:
+            block = self.cache.lookup(pool, (key,)) or self.cache.lookup(pool, (target_only_key(key),))
+            if not block:
+                break
+            found += block
+        return found
 
     def _group_length(self, group: tuple[str, ...], found: Mapping[str, list[int]]) -> int:
         """The longest length every pool of ``group`` holds in cached pages, a multiple of each page size."""

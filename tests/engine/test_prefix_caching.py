@@ -17,7 +17,10 @@ pages):
   request holds it (checked after every step against a snapshot of its KV);
 - no forward writes a KV slot twice or into a cached page (rows the target recomputes for a draft's
   hidden states write scratch slots);
-- a request asking for prompt logprobs reuses nothing and gets the same logprobs.
+- a request asking for prompt logprobs reuses nothing and gets the same logprobs;
+- under the adaptive controller, requests starting dormant reuse the target's pages as a plain request
+  does (no recompute for a draft's hidden states; in a joined MLA pool, pages published for the
+  target's rows alone), and drafting requests beside them draft as without caching.
 """
 
 from __future__ import annotations
@@ -313,7 +316,9 @@ class NeverPays(GoodputController):
 
 
 class CoinPays(GoodputController):
-    """Admission's answer is a seeded coin: dormant and drafting requests share the cache."""
+    """Admission's answer is a seeded coin, so dormant and drafting requests share the cache; a
+    request drafting gets every draft it may and none is woken, so that runs with caching on and off
+    take the same steps (the controller's measured choices would not)."""
 
     def __init__(self, k: int):
         super().__init__(k)
@@ -322,6 +327,12 @@ class CoinPays(GoodputController):
     def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
         return self._coin.random() < 0.5
 
+    def best_counts(self, requests, caps, base_rows, *, probe=False):
+        return list(caps)
+
+    def to_wake(self, seqs):
+        return []
+
 
 @pytest.mark.parametrize("admission", [NeverPays, CoinPays], ids=["all-dormant", "mixed"])
 @pytest.mark.parametrize("target,proposer", [("llama", "eagle3"), ("llama", "eagle3-unshifted-sharing"),
@@ -329,17 +340,29 @@ class CoinPays(GoodputController):
                                              ("deepseek", "eagle3.1-mla")])
 def test_requests_starting_dormant_reuse_the_target_s_pages_as_a_plain_request_does(
         target, proposer, admission, models, baseline, plain_hits):
-    llm = make_llm(models, target, proposer, adaptive=True)
-    llm.engine.draft_counts = admission(K)
-    reused = record_reuse(llm)
-    outputs, _ = run_workload(llm)
+    def run(caching: bool):
+        llm = make_llm(models, target, proposer, adaptive=True, caching=caching)
+        llm.engine.draft_counts = admission(K)
+        reused = record_reuse(llm)
+        return (llm, reused, *run_workload(llm))
+
+    llm, reused, outputs, traces = run(True)
     assert outputs == baseline(target)
     stats = llm.engine.prefix_cache_stats()
-    if proposer != "eagle3.1-mla":  # its draft rows share the target's pages: a dormant request's are not final
+    if proposer != "eagle3.1-mla":
         assert stats.hits == plain_hits(target)
+    elif admission is NeverPays:
+        # Its draft rows share the target's pages, keyed with their successor token: the hits of a
+        # drafting engine (dormant requests publish those pages for the target's rows alone).
+        drafting = make_llm(models, target, proposer)
+        run_workload(drafting)
+        assert stats.hits == drafting.prefix_cache_stats()["hits"] > 0
     if admission is NeverPays:
         assert llm.spec_stats().num_drafts == 0
         assert stats.recomputed == 0  # no reused row was run again for a draft's hidden states
         assert not set(reused) & _draft_pools(llm)
     else:
         assert llm.spec_stats().num_drafts > 0
+        # The drafting requests' drafts are those of an engine without caching: none read a page
+        # published for the target's rows alone (a joined pool's draft rows there are not final).
+        assert traces == run(False)[3]

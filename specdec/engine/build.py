@@ -62,11 +62,13 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure, load_w
     cache = PagedKVCache(args.kv_cache_memory or 1)
     pools = register_pools(target, cache, backend, proposer, block_size=args.block_size, max_model_len=max_model_len,
                            kv_cache_dtype=args.kv_cache_dtype, draft_kv_cache_dtype=args.draft_kv_cache_dtype)
-    alarm = None
+    alarm, recorded = None, None
     if spec is not None and spec.model:  # a draft made by a model should accept (ngram's rate is the text's)
         check_target(spec.model, args.model)
+        expectation = DraftExpectation.for_draft(spec.method, spec.model, load_warnings_found)
+        recorded = expectation.recorded  # every rank's adaptive controller starts from it alike
         if tp.rank == 0:
-            alarm = AcceptanceAlarm(DraftExpectation.for_draft(spec.method, spec.model, load_warnings_found))
+            alarm = AcceptanceAlarm(expectation)
     if args.kv_cache_memory is None:
         cache.memory_budget = ps.min_over_ranks(tp, default_kv_cache_memory(cache, args.max_num_seqs, max_model_len))
     engine = LLMEngine(
@@ -82,6 +84,7 @@ def _build(args: EngineArgs, tp: ps.TensorParallelGroup, on_step_failure, load_w
         enable_prefix_caching=args.enable_prefix_caching,
         sync=StepSync(tp, on_step_failure) if tp.size > 1 else None,
         adaptive=bool(spec is not None and spec.adaptive),
+        recorded_acceptance=recorded,
         batch_invariant=args.batch_invariant,
         acceptance_alarm=alarm,
     )

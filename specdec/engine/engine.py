@@ -83,7 +83,8 @@ class LLMEngine:
     - ``sync``: under tensor parallelism, this rank's :class:`~specdec.distributed.step_sync.StepSync`
       (the driver broadcasts added and aborted requests before every step; every rank then steps).
     - ``adaptive``: choose each request's drafts per step, up to k, for the most tokens per second
-      (:mod:`specdec.engine.goodput`); otherwise every request that may draft gets k.
+      (:mod:`specdec.engine.goodput`; ``recorded_acceptance``, the draft checkpoint's per position, is
+      its prior); otherwise every request that may draft gets k.
     - ``batch_invariant``: every step runs in :func:`specdec.backends.invariance.batch_invariant`, so each
       row's result is independent of the batch (greedy speculative output equals plain output bit for
       bit in any dtype); backends without the mode are refused here.
@@ -110,6 +111,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         sync: StepSync | None = None,
         adaptive: bool = False,
+        recorded_acceptance: Sequence[float] | None = None,
         batch_invariant: bool = False,
         acceptance_alarm: AcceptanceAlarm | None = None,
     ):
@@ -149,7 +151,8 @@ class LLMEngine:
             self.spec_stats.warnings.extend(self.alarm.expectation.load_warnings)
         self.draft_counts = FixedDrafts()  # how many drafts each request gets per step
         if adaptive and proposer is not None:
-            self.draft_counts = GoodputController(self.num_speculative_tokens, device=self.device)
+            self.draft_counts = GoodputController(self.num_speculative_tokens, recorded=recorded_acceptance,
+                                                  device=self.device)
             config = self.scheduler.config
             calibrate(self.draft_counts, self._forward, cache.free, max_requests=config.max_num_seqs,
                       max_rows=min(config.max_num_seqs * (self.num_speculative_tokens + 1),

@@ -56,22 +56,18 @@ from typing import Hashable, Sequence
 
 import torch
 
+from specdec.engine.acceptance_estimates import INITIAL_ACCEPTANCE, AcceptanceEstimates
 from specdec.engine.cost_curve import CostCurve
 from specdec.runtime.layout import StepLayout
 
 # A request given drafts in at most this many of its last DORMANT_WINDOW steps gets none again (dormant).
 DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
-# Weight (in observations) of the prior in an estimate: the engine-wide rate in a request's, the
-# position before's (the first position's: INITIAL_ACCEPTANCE) in the engine-wide rates.
-PRIOR_WEIGHT = 4.0
-# Before any draft is verified: the conditional acceptance assumed at every position.
-INITIAL_ACCEPTANCE = 0.6
-# Per observation, older counts fade by this factor (requests change topic; loads change).
-REQUEST_DECAY = 0.95
-ENGINE_DECAY = 0.995
 # Requests start dormant unless drafting promises at least this many times the rate of none.
 ADMIT_GAIN = 1.1
+# While fewer drafts than this back the engine-wide acceptance, a request admitted where drafting does not
+# pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
+MIN_EVIDENCE = 32
 # Every PROBE_EVERY-th choice gives a request that drafts one draft more than the best rate's
 # (:meth:`GoodputController.choose`).
 PROBE_EVERY = 8
@@ -80,61 +76,6 @@ PROBE_EVERY = 8
 WAKE_GAIN = 2.0
 # ... and the step has at most 1 / WAKE_LOAD_FALL of the requests it had when the request went dormant.
 WAKE_LOAD_FALL = 2
-
-
-class AcceptanceEstimates:
-    """Per request and position, the probability that draft j is accepted when drafts 1..j-1 were.
-
-    Counts fade with each observation (:data:`REQUEST_DECAY`, :data:`ENGINE_DECAY`); a request's
-    estimate is its counts plus :data:`PRIOR_WEIGHT` observations at the engine-wide rate. The
-    engine-wide rate at the first position is its counts plus as many observations at
-    :data:`INITIAL_ACCEPTANCE` (``prior``); at a later position, plus as many at the rate of the
-    position before. A position is offered only when the controller expects its draft to pay, so a
-    constant prior there would decide for good: at 0.6 the zoo MiniMax-M3 draft's fourth and fifth
-    drafts (accepted at 0.8 when the third was) were too rarely offered to be learned, and an adaptive
-    cap of 5 drafted like a fixed k of 3 or 4."""
-
-    def __init__(self, k: int, prior: float = INITIAL_ACCEPTANCE):
-        self.k = k
-        self.prior = prior
-        self._offered = [0.0] * k  # engine-wide
-        self._accepted = [0.0] * k
-        self._requests: dict[Hashable, tuple[list[float], list[float]]] = {}
-
-    def engine_rates(self) -> list[float]:
-        rates, rate = [], self.prior
-        for accepted, offered in zip(self._accepted, self._offered):
-            rate = (accepted + PRIOR_WEIGHT * rate) / (offered + PRIOR_WEIGHT)
-            rates.append(rate)
-        return rates
-
-    def rates(self, request: Hashable, prior: list[float] | None = None) -> list[float]:
-        """``request``'s estimates; ``prior``: :meth:`engine_rates`, when the caller has them already."""
-        prior = prior if prior is not None else self.engine_rates()
-        counts = self._requests.get(request)
-        if counts is None:
-            return prior
-        offered, accepted = counts
-        return [(a + PRIOR_WEIGHT * p) / (o + PRIOR_WEIGHT) for a, o, p in zip(accepted, offered, prior)]
-
-    def observe(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
-        """``num_accepted`` of ``num_drafts`` drafts were accepted: positions 1..accepted were, the next
-        (if any) was offered and refused, the rest were never reached."""
-        if not num_drafts:
-            return
-        offered, accepted = self._requests.setdefault(request, ([0.0] * self.k, [0.0] * self.k))
-        reached = min(num_accepted + 1, num_drafts)
-        for counts, decay in (((offered, accepted), REQUEST_DECAY), ((self._offered, self._accepted), ENGINE_DECAY)):
-            for j in range(self.k):
-                counts[0][j] *= decay
-                counts[1][j] *= decay
-            for j in range(reached):
-                counts[0][j] += 1.0
-            for j in range(num_accepted):
-                counts[1][j] += 1.0
-
-    def forget(self, request: Hashable) -> None:
-        self._requests.pop(request, None)
 
 
 class FixedDrafts:
@@ -188,18 +129,25 @@ class GoodputController(FixedDrafts):
     not with their drafts, and that speculation spreads over more tokens)."""
 
     def __init__(self, num_speculative_tokens: int, prior: float = INITIAL_ACCEPTANCE,
+                 recorded: Sequence[float] | None = None,
                  device: torch.device = torch.device("cpu")):
         self.k = num_speculative_tokens
         self.device = device
         self.target_seconds = CostCurve()  # one target forward, by rows
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
-        self.keep_seconds = CostCurve()  # keeping draft states ready (and catching up), by requests not dormant
-        self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior)
+        self.keep_seconds = CostCurve()  # keeping draft states ready, by requests not dormant
+        # A drafter's catch-up when a request starts (or resumes) drafting: seconds per request, and the
+        # tokens a request emits in its life (over those finished) that it is spread over; moving averages.
+        self.catch_up_seconds = 0.0
+        self.life_tokens = 0.0
+        self._emitted: dict[Hashable, int] = {}
+        self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior, recorded)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
         self._dormant_load: dict[Hashable, int] = {}  # per dormant request: the step's requests then
         self._woken: set[Hashable] = set()  # requests woken once (:meth:`to_wake`), to be admitted drafting
+        self._probing: set[Hashable] = set()  # admitted to draft every draft while the rates lack evidence
         self._drafted: frozenset = frozenset()  # the requests whose drafts the last step verified
         self._choices = 0  # steps chosen for, which sets the probing ones (the same count on every rank)
         self._laps: dict[str, float] = {}
@@ -226,6 +174,11 @@ class GoodputController(FixedDrafts):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
         self._choices += 1
         counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
+        if self._probing:
+            if self.acceptance.evidence() < MIN_EVIDENCE:
+                counts = [cap if request in self._probing else count for request, cap, count in zip(requests, caps, counts)]
+            else:
+                self._probing.clear()  # enough learnt: they draft as the model says
         self._note_drafting(requests, caps, counts)
         return counts
 
@@ -233,13 +186,23 @@ class GoodputController(FixedDrafts):
         """The dormant ones among a step's ``requests``, once those new to the controller have been given
         their start: dormant when drafting does not pay for the step's requests (:meth:`speculation_pays`;
         a woken request always drafts). The scheduler asks as it admits them, so that a request starting
-        dormant matches the prefix cache on the target's pools alone (it needs no draft state)."""
+        dormant matches the prefix cache on the target's pools alone (it needs no draft state).
+
+        While fewer than :data:`MIN_EVIDENCE` verified drafts back the engine-wide acceptance, one request
+        at a time that would start dormant drafts every draft instead (a probe): dormant requests verify no
+        drafts, so the rates would stay what the first few drafts made them. A warm-up of one 8-token
+        request on the zoo llama-tiny pair, its 3 drafting steps refused, left a first-position rate of
+        0.34 (0.77 once learnt), and every request after it started dormant."""
         new = [request for request in requests if request not in self._history]
         if new:
             dormant = not self.speculation_pays(len(requests), sum(map(self._dormant.__contains__, requests)))
             for request in new:
                 self._history[request] = 1  # the marker bit (:meth:`_note_drafting`)
-                if dormant and request not in self._woken:
+                if not dormant or request in self._woken:
+                    continue
+                if not self._probing and self.acceptance.evidence() < MIN_EVIDENCE:
+                    self._probing.add(request)
+                else:
                     self._dormant.add(request)
                     self._dormant_load[request] = len(requests)
         return frozenset(filter(self._dormant.__contains__, requests))
@@ -263,14 +226,23 @@ class GoodputController(FixedDrafts):
         no drafts, and it would keep its draft state for nothing until it went dormant.
 
         Drafting then costs more than its forwards: every step, whether a request drafts or not, the
-        proposer keeps its draft state (``keep_seconds``: fusing the target's states, catching up after
-        a prompt), which a dormant request does not. And it must promise :data:`ADMIT_GAIN` times the
+        proposer keeps its draft state (fusing the target's states), and each request's draft catches up
+        on its prompt once (:meth:`_keeping`), which a dormant request does not. And it must promise :data:`ADMIT_GAIN` times the
         rate of no drafts at all: what the model leaves out (a catch-up on each resumption, steps whose
         requests draft unevenly, a load priced from curves extrapolated past what has run) all falls
         on the side of drafting."""
         chain, awake = _chain(self.acceptance.engine_rates()), num_requests - num_dormant
-        return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self.keep_seconds(awake),
+        return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self._keeping(awake, chain),
                               margin=ADMIT_GAIN)[0])
+
+    def _keeping(self, awake: int, chain: list[float]) -> float:
+        """Seconds a step of ``awake`` requests drafting along ``chain`` owes for their draft state: keeping
+        it, and each request's catch-up when it starts drafting, spread over the tokens of its life (a
+        request emits ``1 + sum(chain)`` of them a step). The catch-up is a one-off cost per request: taken
+        as a cost per step at the load where it happened, it priced keeping draft state 3 to 15 times what
+        the steps measured at concurrency 16 and 32 on the zoo MiniMax-M3 pair."""
+        spread = (1.0 + sum(chain)) / self.life_tokens if self.life_tokens else 0.0
+        return self.keep_seconds(awake) + awake * self.catch_up_seconds * spread
 
     def to_wake(self, seqs: Sequence) -> list:
         """The dormant requests among the step's unfinished ``seqs`` (anything with ``seq_id``,
@@ -295,7 +267,7 @@ class GoodputController(FixedDrafts):
             return []
         # One request's seconds per token, plainly and with the step's best drafts at the engine-wide rates.
         chain = _chain(self.acceptance.engine_rates())
-        _, rate = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self.keep_seconds(n - stay))
+        _, rate = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self._keeping(n - stay, chain))
         saved = self.other_seconds(n) + self.target_seconds(n) - n / rate
         remaining = sum(s.max_len - s.num_tokens for s in dormant) / len(dormant)
         if saved * remaining < WAKE_GAIN * self.target_seconds(sum(s.num_tokens for s in dormant)):
@@ -382,7 +354,8 @@ class GoodputController(FixedDrafts):
         in forwards; that cost is owed whenever drafting resumes, not chosen now, so the draft curve
         learns only from steps whose drafting requests all had drafts verified in the step before (drafts
         offered are not enough: a prefill step is offered drafts and runs none). What the chain's forwards
-        do not explain in the other steps is the catch-up, a cost of keeping up: it joins the keep curve.
+        do not explain in the other steps is the catch-up of the requests that had no drafts in the step
+        before: each request's share is its catch-up (:meth:`_keeping` spreads it over a request's life).
 
         The target curve prices decode rows, so it learns only from steps that run no prompt rows: a
         prompt's rows cost less each than a verify row's (one long causal run against many short ones),
@@ -394,42 +367,53 @@ class GoodputController(FixedDrafts):
             self.target_seconds.observe(layout.num_rows, laps["target"])
         self.other_seconds.observe(layout.num_requests, laps["other"])
         drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)
-        keep = laps["keep"]
         if drafted and drafted <= self._drafted:
             self.draft_seconds.observe(len(drafted), laps["draft"] / max(layout.num_drafts))
         elif drafted and self.draft_seconds.points:
-            keep += max(0.0, laps["draft"] - max(layout.num_drafts) * self.draft_seconds(len(drafted)))
+            residual = max(0.0, laps["draft"] - max(layout.num_drafts) * self.draft_seconds(len(drafted)))
+            self.catch_up_seconds = _average(self.catch_up_seconds, residual / len(drafted - self._drafted), 0.25)
         self._drafted = drafted
         awake = sum(request not in self._dormant for request in layout.requests)
         if awake:
-            self.keep_seconds.observe(awake, keep)
+            self.keep_seconds.observe(awake, laps["keep"])
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
+        self._emitted[request] = self._emitted.get(request, 0) + 1 + num_accepted
 
     def is_dormant(self, request: Hashable) -> bool:
         return request in self._dormant
 
     def forget(self, request: Hashable) -> None:
         """``request`` finished."""
+        emitted = self._emitted.pop(request, 0)
+        if emitted:
+            self.life_tokens = _average(self.life_tokens, emitted, 0.1)
         self.acceptance.forget(request)
         self._history.pop(request, None)
         self._dormant.discard(request)
         self._dormant_load.pop(request, None)
         self._woken.discard(request)
+        self._probing.discard(request)
 
     # ----- lockstep under tensor parallelism -----
     def cost_state(self) -> tuple:
-        """The cost curves (what differs between ranks: each times its own steps)."""
-        return tuple(curve.state() for curve in self._curves())
+        """The cost curves and the catch-up's cost (what differs between ranks: each times its own steps)."""
+        return (*(curve.state() for curve in self._curves()), self.catch_up_seconds)
 
     def load_cost_state(self, state: tuple) -> None:
-        """Adopt the driver's cost curves (:meth:`cost_state`)."""
-        for curve, points in zip(self._curves(), state):
+        """Adopt the driver's costs (:meth:`cost_state`)."""
+        *curves, self.catch_up_seconds = state
+        for curve, points in zip(self._curves(), curves):
             curve.load(points)
 
     def _curves(self) -> tuple[CostCurve, ...]:
         return self.target_seconds, self.draft_seconds, self.other_seconds, self.keep_seconds
+
+
+def _average(old: float, new: float, weight: float) -> float:
+    """A moving average's next value (its first observation taken whole)."""
+    return new if not old else old + weight * (new - old)
 
 
 def _chain(rates: Sequence[float]) -> list[float]:

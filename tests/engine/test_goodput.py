@@ -1,7 +1,7 @@
 """The adaptive draft controller (``adaptive`` in the speculative config).
 
-- Its parts (the cost curves: tests/engine/test_cost_curve.py): the acceptance estimates (conditional
-  per position, shrunk towards the engine-wide rate), and its choices on planted costs and
+- Its parts (the cost curves: tests/engine/test_cost_curve.py; the acceptance estimates:
+  tests/engine/test_acceptance_estimates.py), and its choices on planted costs and
   acceptance: all drafts when rows are free, none when drafts cost more than they bring, more drafts
   for the requests that are accepted more, dormancy for a request left idle or admitted where drafts
   do not pay.
@@ -25,8 +25,8 @@ from specdec.engine.cost_curve import CostCurve
 from specdec.engine.goodput import (
     DORMANT_MAX_DRAFTING,
     DORMANT_WINDOW,
+    MIN_EVIDENCE,
     PROBE_EVERY,
-    AcceptanceEstimates,
     GoodputController,
 )
 from specdec.runtime.layout import StepLayout
@@ -34,34 +34,6 @@ from specdec.zoo import zoo_path
 
 
 # ----------------------------------------------------------------------------- parts
-def test_acceptance_estimates_are_conditional_and_shrunk_to_the_engine_rate():
-    estimates = AcceptanceEstimates(3, prior=0.5)
-    assert estimates.rates("a") == [0.5, 0.5, 0.5]
-    for _ in range(30):
-        estimates.observe("a", 3, 3)  # every draft accepted
-        estimates.observe("b", 3, 0)  # the first refused: positions 2 and 3 never reached
-    a, b = estimates.rates("a"), estimates.rates("b")
-    assert all(r > 0.8 for r in a)
-    assert b[0] < 0.2
-    assert b[1] == pytest.approx(estimates.engine_rates()[1])  # no evidence of its own there
-    estimates.forget("a")
-    assert estimates.rates("a") == estimates.engine_rates()
-
-
-def test_a_position_never_offered_takes_the_rate_of_the_one_before():
-    # Drafts beyond the first are offered only when they are expected to pay: a constant prior there
-    # (0.6 here) would keep a draft accepted this often from being offered a second draft at all.
-    estimates = AcceptanceEstimates(3, prior=0.6)
-    for _ in range(100):
-        estimates.observe("r", 1, 1)  # one draft a step, always accepted
-    rates = estimates.engine_rates()
-    assert rates[0] > 0.95 and rates == [rates[0]] * 3
-    for _ in range(100):
-        estimates.observe("r", 3, 1)  # the second now offered, and always refused
-    assert estimates.engine_rates()[1] < 0.1
-    assert estimates.engine_rates()[2] == pytest.approx(estimates.engine_rates()[1])  # still never reached
-
-
 def _controller(k: int, target, draft, acceptance: dict) -> GoodputController:
     """A controller with planted costs (``target(rows)``, ``draft(requests)`` per forward, seconds) and
     acceptance (request -> its observed accept pattern, repeated)."""
@@ -204,6 +176,52 @@ def test_a_step_s_parts_are_timed_into_their_curves():
     assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
     assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
     assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6]  # by requests not dormant
+
+
+def _timed_step(controller: GoodputController, layout: StepLayout, **laps: float) -> None:
+    """End a step whose parts took ``laps`` seconds (the rest: the few microseconds spent here)."""
+    controller.step_began()
+    controller._laps.update(laps)
+    controller.step_ended(layout)
+
+
+def test_a_catch_up_is_a_one_off_cost_spread_over_a_request_s_life():
+    # Forwards cost the same at any size; drafts are cheap and accepted.
+    controller = _controller(3, lambda rows: 0.01, lambda n: 0.001, {"seen": 3})
+    cpu = torch.device("cpu")
+    _timed_step(controller, StepLayout.build(["a"], [0], [5], [0], cpu), target=0.01, keep=0.0005)  # its prompt
+    # The first drafting step: the chain's 3 forwards and a 50 ms catch-up over the prompt.
+    _timed_step(controller, StepLayout.build(["a"], [5], [4], [3], cpu), draft=0.053, target=0.01, keep=0.0005)
+    assert controller.keep_seconds(1) == pytest.approx(0.0005)  # keeping draft state is not the catch-up ...
+    assert controller.catch_up_seconds == pytest.approx(0.05)  # ... which each request owes once
+    for _ in range(10):
+        controller.observe_verified("a", 3, 3)
+    controller.forget("a")
+    assert controller.life_tokens == 40  # what a request emits in its life
+    assert controller.speculation_pays(1)  # spread over 40 tokens, the catch-up costs little
+    for i in range(60):  # requests of 4 tokens: the catch-up is most of what drafting costs them
+        for _ in range(4):
+            controller.observe_verified(f"short{i}", 0, 0)
+        controller.forget(f"short{i}")
+    assert controller.life_tokens < 5 and not controller.speculation_pays(1)
+
+
+def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_learn_them():
+    # Forwards cost the same up to 8 rows; a draft forward 3 ms: drafting pays at high acceptance only.
+    controller = _controller(3, lambda rows: max(0.01, 0.00125 * rows), lambda n: 0.003, {})
+    for _ in range(3):  # a first request's drafts, all refused: the rates fall to about a third
+        controller.observe_verified("first", 3, 0)
+    assert not controller.speculation_pays(2)
+    assert controller.choose(["probe", "other"], [3, 3], base_rows=2) == [3, 0]  # one probe, all its drafts
+    assert not controller.is_dormant("probe") and controller.is_dormant("other")
+    assert controller.best_counts(["probe"], [3], base_rows=1) != [3]  # the model alone would give it fewer
+    for _ in range(MIN_EVIDENCE):  # what the probe learns: drafts are accepted
+        controller.observe_verified("probe", 3, 3)
+    assert controller.choose(["probe"], [3], base_rows=1) == [3]  # now the model's choice
+    assert controller.speculation_pays(1)
+    # Rates backed by enough drafts are trusted: where they say drafts do not pay, nobody probes.
+    sure = _controller(3, lambda rows: max(0.01, 0.00125 * rows), lambda n: 0.003, {"poor": 0})
+    assert sure.choose(["new"], [3], base_rows=1) == [0] and sure.is_dormant("new")
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():

@@ -16,12 +16,13 @@ ones' prompts would all run in one large forward, an advantage no real load give
 would understate speculation instead (requests that accept less finish later, and their batch runs on
 nearly empty).
 
-Prefix caching is off. Every level and round serves the same prompts again, so with it on, the second
-time a prompt ran its prefill came from the cache for every configuration but one: a request the
-adaptive controller sent dormant writes no draft rows, and a later request reusing its prompt runs
-the target over it again for the draft's hidden states. That charged ``adaptive`` alone for prompt
-reuse no held-out load has (on the zoo MiniMax-M3 pair, a c16 round in which every request was
-dormant read 0.88x of none with caching, 1.01x without).
+Prefix caching is off. Every level and round serves the same prompts again, so with it on, every
+prefill after the first would come from the cache, which no held-out load does. It also charged
+``adaptive`` alone for the reuse while a dormant request matched the draft's pools too: a later request
+reusing its prompt ran the target over it again for hidden states no draft would read (a c16 round with
+every request dormant read 0.88x of none with caching, 1.01x without). A request starting dormant now
+matches the target's pools alone, but one that drafts after a dormant one with the same prompt still
+runs it again, as it must.
 
 The machine's speed drifts (up to 1.7x between runs a minute apart on the shared development
 machine), so configurations are compared in *trials*: every configuration runs the same prompts, one

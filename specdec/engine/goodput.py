@@ -12,7 +12,8 @@ tokens per second:
 
 - expected tokens: ``1 + sum_j prod_{m <= j} a_m`` for a request given j drafts, with ``a_m`` its
   estimated acceptance at position m given the drafts before it were accepted
-  (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates);
+  (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates, which
+  start from the acceptance the draft's checkpoint records);
 - seconds: the target forward over the step's decode and verify rows (a prompt's cost the same
   whatever is chosen), plus the draft chain (its depth times the
   seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
@@ -36,7 +37,8 @@ otherwise make an adaptive engine slower than one that never speculates.
 Finding that out takes a request :data:`DORMANT_WINDOW` steps of kept state, a large part of a short
 request's life, so a request starts dormant when a step of the present requests would give no drafts
 even to those accepted at the engine-wide rates, once the cost of keeping their draft state is counted
-and the dormant ones among them draft nothing (:meth:`GoodputController.speculation_pays`). The
+and the dormant ones among them draft nothing (:meth:`GoodputController.speculation_pays`); while
+those rates rest on too few drafts, one such request at a time drafts instead, to learn them. The
 question is asked afresh for every request admitted, so speculation comes back when the load falls
 and the dormant requests have finished. A dormant request still running then is *woken* once, when
 drafting its remaining tokens saves more than rebuilding its draft state costs: the engine has the
@@ -176,7 +178,8 @@ class GoodputController(FixedDrafts):
         counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
         if self._probing:
             if self.acceptance.evidence() < MIN_EVIDENCE:
-                counts = [cap if request in self._probing else count for request, cap, count in zip(requests, caps, counts)]
+                counts = [cap if request in self._probing else count
+                          for request, cap, count in zip(requests, caps, counts)]
             else:
                 self._probing.clear()  # enough learnt: they draft as the model says
         self._note_drafting(requests, caps, counts)
@@ -227,10 +230,10 @@ class GoodputController(FixedDrafts):
 
         Drafting then costs more than its forwards: every step, whether a request drafts or not, the
         proposer keeps its draft state (fusing the target's states), and each request's draft catches up
-        on its prompt once (:meth:`_keeping`), which a dormant request does not. And it must promise :data:`ADMIT_GAIN` times the
-        rate of no drafts at all: what the model leaves out (a catch-up on each resumption, steps whose
-        requests draft unevenly, a load priced from curves extrapolated past what has run) all falls
-        on the side of drafting."""
+        on its prompt once (:meth:`_keeping`), which a dormant request does not. And it must promise
+        :data:`ADMIT_GAIN` times the rate of no drafts at all: what the model leaves out (steps whose
+        requests draft unevenly, a load priced from curves extrapolated past what has run) all falls on
+        the side of drafting."""
         chain, awake = _chain(self.acceptance.engine_rates()), num_requests - num_dormant
         return any(self._best(num_requests, [chain] * awake + [[]] * num_dormant, keeping=self._keeping(awake, chain),
                               margin=ADMIT_GAIN)[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import runpy
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from specdec.cache import AttentionPool, PagedKVCache
 from specdec.engine import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from specdec.engine.prefix_caching import PrefixMatch
 from specdec.sampling import SamplingParams
 
 
@@ -161,6 +163,42 @@ def test_reserves_drafts_in_every_pool():
     assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.max_drafts == [5, 5]
     for s in batch.seqs:
         cache.append_slots(s.seq_id, 15)  # every pool, all or nothing: must fit
+
+
+class PlantedMatches:
+    """A prefix cache whose match is planted: ``drafting`` for a request keeping draft state, ``target_only``
+    for one that keeps none (matched on the target's pools alone)."""
+
+    def __init__(self, drafting: PrefixMatch, target_only: PrefixMatch):
+        self.drafting, self.target_only = drafting, target_only
+
+    def match(self, seq, max_recompute=math.inf, *, drafting=True):
+        return self.drafting if drafting else self.target_only
+
+
+@pytest.mark.parametrize("tokens,dormant,taken", [(40, True, "target_only"), (20, True, "drafting"),
+                                                  (40, False, "drafting")])
+def test_a_request_starting_dormant_is_matched_again_where_its_pages_fit(tokens, dormant, taken):
+    cache = _cache(tokens)
+    cache.append_slots("old", 16)  # four pages published, then freed: cached, evictable
+    keys = [bytes([i]) * 16 for i in range(4)]
+    cache.publish("old", "target", keys)
+    cache.free("old")
+    blocks = tuple(cache.lookup("target", keys))
+    # Drafting, it reuses one page (its draft's pages end there); dormant, all four.
+    matches = {"drafting": PrefixMatch(4, {"target": blocks[:1]}), "target_only": PrefixMatch(16, {"target": blocks})}
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8))  # the drafting match prefills in chunks
+    scheduler.bind(cache, "target", num_lookahead=3, prefix=PlantedMatches(**matches),
+                   dormant=lambda requests: set(requests) if dormant else set())
+    seq = _seq(0, 20)
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.reuse[0] is matches[taken]
+    # Dormant with room: the last 4 prompt tokens and 3 drafts (6 pages, the 4 cached ones taken off the
+    # free list: the small cache's 5 cannot hold them). Otherwise a chunk of 8 after the page reused.
+    assert (batch.num_new_tokens, batch.max_drafts) == (([4], [3]) if taken == "target_only" else ([8], [0]))
+    cache.adopt(0, "target", batch.reuse[0].blocks["target"])
+    cache.append_slots(0, batch.num_new_tokens[0] + batch.max_drafts[0])  # reserved: must fit
 
 
 def test_sequence_stops_and_draft_caps():

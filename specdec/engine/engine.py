@@ -434,7 +434,7 @@ class LLMEngine:
         for seq, drafted, accepted in zip(seqs, layout.num_drafts, num_accepted):
             self.draft_counts.observe_verified(seq.seq_id, drafted, accepted)
         for seq in finished:
-            self.draft_counts.forget(seq.seq_id)
+            self.draft_counts.forget(seq.seq_id, seq.num_output_tokens)
             if self.alarm is not None:
                 self.alarm.forget(seq.seq_id)
         for seq in self.draft_counts.to_wake(seqs):

@@ -111,7 +111,7 @@ class FixedDrafts:
         """The dormant requests among the step's unfinished ``seqs`` to recompute so that they draft again."""
         return []
 
-    def forget(self, request: Hashable) -> None:
+    def forget(self, request: Hashable, num_output_tokens: int = 0) -> None:
         pass
 
     def cost_state(self) -> None:
@@ -143,7 +143,6 @@ class GoodputController(FixedDrafts):
         # tokens a request emits in its life (over those finished) that it is spread over; moving averages.
         self.catch_up_seconds = 0.0
         self.life_tokens = 0.0
-        self._emitted: dict[Hashable, int] = {}
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior, recorded)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
@@ -170,7 +169,7 @@ class GoodputController(FixedDrafts):
         never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
         5, the 6-row forward read 14-18 ms that way and stayed there, while steps made to run it read
         9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
-        self.admit(requests)
+        self._start(requests)
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
         if not any(caps):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
@@ -196,6 +195,11 @@ class GoodputController(FixedDrafts):
         drafts, so the rates would stay what the first few drafts made them. A warm-up of one 8-token
         request on the zoo llama-tiny pair, its 3 drafting steps refused, left a first-position rate of
         0.34 (0.77 once learnt), and every request after it started dormant."""
+        self._start(requests)
+        return frozenset(filter(self._dormant.__contains__, requests))
+
+    def _start(self, requests: Sequence[Hashable]) -> None:
+        """Give the requests new to the controller their start (:meth:`admit`)."""
         new = [request for request in requests if request not in self._history]
         if new:
             dormant = not self.speculation_pays(len(requests), sum(map(self._dormant.__contains__, requests)))
@@ -208,7 +212,6 @@ class GoodputController(FixedDrafts):
                 else:
                     self._dormant.add(request)
                     self._dormant_load[request] = len(requests)
-        return frozenset(filter(self._dormant.__contains__, requests))
 
     def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int, *,
                     probe: bool = False) -> list[int]:
@@ -382,16 +385,14 @@ class GoodputController(FixedDrafts):
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
-        self._emitted[request] = self._emitted.get(request, 0) + 1 + num_accepted
 
     def is_dormant(self, request: Hashable) -> bool:
         return request in self._dormant
 
-    def forget(self, request: Hashable) -> None:
-        """``request`` finished."""
-        emitted = self._emitted.pop(request, 0)
-        if emitted:
-            self.life_tokens = _average(self.life_tokens, emitted, 0.1)
+    def forget(self, request: Hashable, num_output_tokens: int = 0) -> None:
+        """``request`` finished, having emitted ``num_output_tokens`` (its life, for :meth:`_keeping`)."""
+        if num_output_tokens:
+            self.life_tokens = _average(self.life_tokens, num_output_tokens, 0.1)
         self.acceptance.forget(request)
         self._history.pop(request, None)
         self._dormant.discard(request)

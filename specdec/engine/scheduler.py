@@ -202,7 +202,7 @@ class Scheduler:
                 if match is not None:
                     batch.reuse[seq.seq_id] = match
                 left -= rows + drafts
-        if admitted and self._dormant is not None:
+        if admitted and self._dormant is not None and self._prefix is not None:
             self._match_dormant(batch, admitted, free)
         return batch
 
@@ -215,7 +215,7 @@ class Scheduler:
         dormant = self._dormant([seq.seq_id for seq in batch.seqs])
         for i, taken in admitted.items():
             seq = batch.seqs[i]
-            if seq.seq_id not in dormant or self._prefix is None:
+            if seq.seq_id not in dormant:
                 continue
             old, match = batch.reuse.get(seq.seq_id), self._prefix.match(seq, drafting=False)
             if match == old:

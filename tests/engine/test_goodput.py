@@ -196,13 +196,11 @@ def test_a_catch_up_is_a_one_off_cost_spread_over_a_request_s_life():
     assert controller.catch_up_seconds == pytest.approx(0.05)  # ... which each request owes once
     for _ in range(10):
         controller.observe_verified("a", 3, 3)
-    controller.forget("a")
+    controller.forget("a", num_output_tokens=40)
     assert controller.life_tokens == 40  # what a request emits in its life
     assert controller.speculation_pays(1)  # spread over 40 tokens, the catch-up costs little
     for i in range(60):  # requests of 4 tokens: the catch-up is most of what drafting costs them
-        for _ in range(4):
-            controller.observe_verified(f"short{i}", 0, 0)
-        controller.forget(f"short{i}")
+        controller.forget(f"short{i}", num_output_tokens=4)
     assert controller.life_tokens < 5 and not controller.speculation_pays(1)
 
 

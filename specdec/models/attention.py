@@ -67,14 +67,17 @@ class GQASelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q [T, H, D]``, ``k`` and ``v [T, Hkv, D]``: split into heads, q/k normed per head (when the
         layer has norms) and roped."""
-        n = x.shape[0]
+        n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None:
+            # q and k sit side by side in the packed output: one rotation covers both (half the ops).
+            qkv = self.qkv_proj(x)
+            qk_width = (heads + kv_heads) * dim
+            (qk,) = rotary(positions, qkv[:, :qk_width].view(n, heads + kv_heads, dim))
+            return qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(n, kv_heads, dim)
         q, k, v = self.project_qkv(x)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q.view(n, heads, dim)), self.k_norm(k.view(n, kv_heads, dim))
         q, k = rotary(positions, q, k)
-        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(n, kv_heads, dim)
 
     def key_mask(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext

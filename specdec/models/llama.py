@@ -9,8 +9,6 @@ transformers writes (``model.layers.N.self_attn.q_proj.weight``, ...), so weight
 
 from __future__ import annotations
 
-import torch
-
 from specdec.models.attention import GQASelfAttention
 from specdec.models.decoder import DecoderModel, DecoderOnlyLM, PreNormDecoderLayer
 from specdec.models.dims import head_dim_of
@@ -58,19 +56,6 @@ class LlamaAttention(GQASelfAttention):
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def qkv_heads(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.q_norm is not None:
-            return super().qkv_heads(x, positions, rotary)
-        # q and k sit side by side in the packed output: one rotation covers both.
-        num_tokens = x.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        qk_width = (heads + kv_heads) * dim
-        (qk,) = rotary(positions, qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim))
-        return qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim)
 
 
 class LlamaMLP(GatedMLP):

@@ -143,6 +143,10 @@ class GoodputController(FixedDrafts):
         # tokens a request emits in its life (over those finished) that it is spread over; moving averages.
         self.catch_up_seconds = 0.0
         self.life_tokens = 0.0
+        # Keeping a request's prompt states (fusing its prompt rows), owed once too: seconds per request
+        # (a moving average over finished requests of what their prompt steps took beyond the keep curve).
+        self.prompt_keep_seconds = 0.0
+        self._prompt_keep: dict[Hashable, float] = {}  # per request whose prompt ran: its share so far
         self.acceptance = AcceptanceEstimates(num_speculative_tokens, prior, recorded)
         self._history: dict[Hashable, int] = {}  # per request: bit i set = drafted i steps ago, top bit = seen
         self._dormant: set[Hashable] = set()
@@ -243,12 +247,13 @@ class GoodputController(FixedDrafts):
 
     def _keeping(self, awake: int, chain: list[float]) -> float:
         """Seconds a step of ``awake`` requests drafting along ``chain`` owes for their draft state: keeping
-        it, and each request's catch-up when it starts drafting, spread over the tokens of its life (a
-        request emits ``1 + sum(chain)`` of them a step). The catch-up is a one-off cost per request: taken
+        it, and each request's one-off costs (its catch-up when it starts drafting, keeping its prompt's
+        states), spread over the tokens of its life (a request emits ``1 + sum(chain)`` of them a step).
+        The catch-up is a one-off cost per request: taken
         as a cost per step at the load where it happened, it priced keeping draft state 3 to 15 times what
         the steps measured at concurrency 16 and 32 on the zoo MiniMax-M3 pair."""
         spread = (1.0 + sum(chain)) / self.life_tokens if self.life_tokens else 0.0
-        return self.keep_seconds(awake) + awake * self.catch_up_seconds * spread
+        return self.keep_seconds(awake) + awake * (self.catch_up_seconds + self.prompt_keep_seconds) * spread
 
     def to_wake(self, seqs: Sequence) -> list:
         """The dormant requests among the step's unfinished ``seqs`` (anything with ``seq_id``,
@@ -366,10 +371,16 @@ class GoodputController(FixedDrafts):
         The target curve prices decode rows, so it learns only from steps that run no prompt rows: a
         prompt's rows cost less each than a verify row's (one long causal run against many short ones),
         and a step of two prompts would otherwise read as a cheap large step, pulling the curve's
-        non-decreasing fit down at every smaller size."""
+        non-decreasing fit down at every smaller size. So does the keep curve: keeping draft state fuses
+        the target's states of every row, a prompt's too, and a step with prompts would price keeping a
+        decoding request at a prompt's share (after concurrency 1 on the zoo MiniMax-M3 pair, 4.7 ms for
+        16 requests where their decode steps take 1.4). What the curve does not explain in such a step is
+        the prompting requests' one-off share (:meth:`_keeping`), summed over their prompt chunks."""
         self.lap("other")
         laps = self._laps
-        if all(rows == 1 + drafts for rows, drafts in zip(layout.query_lens, layout.num_drafts)):
+        prompting = [r for r, rows, drafts in zip(layout.requests, layout.query_lens, layout.num_drafts)
+                     if rows != 1 + drafts and r not in self._dormant]
+        if not prompting:
             self.target_seconds.observe(layout.num_rows, laps["target"])
         self.other_seconds.observe(layout.num_requests, laps["other"])
         drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)
@@ -380,8 +391,12 @@ class GoodputController(FixedDrafts):
             self.catch_up_seconds = _average(self.catch_up_seconds, residual / len(drafted - self._drafted), 0.25)
         self._drafted = drafted
         awake = sum(request not in self._dormant for request in layout.requests)
-        if awake:
+        if awake and not prompting:
             self.keep_seconds.observe(awake, laps["keep"])
+        elif prompting and self.keep_seconds.points:
+            share = max(0.0, laps["keep"] - self.keep_seconds(awake)) / len(prompting)
+            for request in prompting:
+                self._prompt_keep[request] = self._prompt_keep.get(request, 0.0) + share
 
     def observe_verified(self, request: Hashable, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
@@ -393,6 +408,8 @@ class GoodputController(FixedDrafts):
         """``request`` finished, having emitted ``num_output_tokens`` (its life, for :meth:`_keeping`)."""
         if num_output_tokens:
             self.life_tokens = _average(self.life_tokens, num_output_tokens, 0.1)
+        if request in self._prompt_keep:
+            self.prompt_keep_seconds = _average(self.prompt_keep_seconds, self._prompt_keep.pop(request), 0.25)
         self.acceptance.forget(request)
         self._history.pop(request, None)
         self._dormant.discard(request)
@@ -402,12 +419,12 @@ class GoodputController(FixedDrafts):
 
     # ----- lockstep under tensor parallelism -----
     def cost_state(self) -> tuple:
-        """The cost curves and the catch-up's cost (what differs between ranks: each times its own steps)."""
-        return (*(curve.state() for curve in self._curves()), self.catch_up_seconds)
+        """The cost curves and the one-off costs per request (what differs between ranks: each times its own steps)."""
+        return (*(curve.state() for curve in self._curves()), self.catch_up_seconds, self.prompt_keep_seconds)
 
     def load_cost_state(self, state: tuple) -> None:
         """Adopt the driver's costs (:meth:`cost_state`)."""
-        *curves, self.catch_up_seconds = state
+        *curves, self.catch_up_seconds, self.prompt_keep_seconds = state
         for curve, points in zip(self._curves(), curves):
             curve.load(points)
 

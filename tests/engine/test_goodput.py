@@ -204,6 +204,23 @@ def test_a_catch_up_is_a_one_off_cost_spread_over_a_request_s_life():
     assert controller.life_tokens < 5 and not controller.speculation_pays(1)
 
 
+def test_keeping_a_prompt_s_states_is_a_one_off_cost_not_the_keep_curve_s():
+    controller = _controller(3, lambda rows: 0.01, lambda n: 0.001, {"seen": 3})
+    cpu = torch.device("cpu")
+    _timed_step(controller, StepLayout.build(["a", "b"], [9, 9], [1, 1], [0, 0], cpu), keep=0.001)  # 2 decoding
+    # "c"'s prompt runs in two chunks beside them, each step fusing its 8 rows as well: 20 ms more.
+    for start in (0, 8):
+        layout = StepLayout.build(["a", "b", "c"], [10 + start // 8] * 2 + [start], [1, 1, 8], [0, 0, 0], cpu)
+        _timed_step(controller, layout, keep=0.001 + 0.02)
+    assert list(controller.keep_seconds.points) == [2]  # a decoding request's keep is not a prompt's share
+    assert controller.prompt_keep_seconds == 0.0  # owed by "c", known once it finishes
+    before = controller._keeping(1, [0.9, 0.8, 0.7])
+    controller.forget("c", num_output_tokens=40)
+    share = 0.021 - controller.keep_seconds(3)
+    assert controller.prompt_keep_seconds == pytest.approx(2 * share)  # both chunks, once per request
+    assert controller._keeping(1, [0.9, 0.8, 0.7]) > before  # spread over a request's life, like the catch-up
+
+
 def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_learn_them():
     # Forwards cost the same up to 8 rows; a draft forward 3 ms: drafting pays at high acceptance only.
     controller = _controller(3, lambda rows: max(0.01, 0.00125 * rows), lambda n: 0.003, {})

@@ -37,6 +37,7 @@ class AcceptanceEstimates:
         self.k = k
         self.prior = conditional_rates(recorded) if recorded else (prior,)
         self.prior_weight = RECORD_WEIGHT if recorded else PRIOR_WEIGHT
+        self._recorded_weight = RECORD_WEIGHT if recorded else 0.0  # a record is evidence; a guess is not
         self._offered = [0.0] * k  # engine-wide
         self._accepted = [0.0] * k
         self._requests: dict[Hashable, tuple[list[float], list[float]]] = {}
@@ -50,8 +51,10 @@ class AcceptanceEstimates:
         return rates
 
     def evidence(self) -> float:
-        """Verified drafts behind the engine-wide rate at the first position (faded as its counts are)."""
-        return self._offered[0]
+        """Verified drafts behind the engine-wide rate at the first position: those this engine verified
+        (faded as its counts are) and, with a recorded prior, the record's weight (drafts its checkpoint
+        verified on held-out text). The guessed prior is no evidence."""
+        return self._offered[0] + self._recorded_weight
 
     def rates(self, request: Hashable, prior: list[float] | None = None) -> list[float]:
         """``request``'s estimates; ``prior``: :meth:`engine_rates`, when the caller has them already."""

@@ -67,8 +67,8 @@ DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
 # Requests start dormant unless drafting promises at least this many times the rate of none.
 ADMIT_GAIN = 1.1
-# While fewer drafts than this back the engine-wide acceptance, a request admitted where drafting does not
-# pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
+# While fewer drafts than this back the engine-wide acceptance (a recorded one counts RECORD_WEIGHT), a
+# request admitted where drafting does not pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
 MIN_EVIDENCE = 32
 # Every PROBE_EVERY-th choice gives a request that drafts one draft more than the best rate's
 # (:meth:`GoodputController.choose`).
@@ -196,9 +196,11 @@ class GoodputController(FixedDrafts):
 
         While fewer than :data:`MIN_EVIDENCE` verified drafts back the engine-wide acceptance, one request
         at a time that would start dormant drafts every draft instead (a probe): dormant requests verify no
-        drafts, so the rates would stay what the first few drafts made them. A warm-up of one 8-token
-        request on the zoo llama-tiny pair, its 3 drafting steps refused, left a first-position rate of
-        0.34 (0.77 once learnt), and every request after it started dormant."""
+        drafts, so the rates would stay what the first few drafts made them: after a warm-up of one
+        8-token request on the zoo llama-tiny pair (3 drafting steps, all refused) a guessed prior's
+        first-position rate read 0.34 (0.77 once learnt), and every later request started dormant. A
+        recorded acceptance backs the rates as a probe would (a few refusals leave it above 0.7): a draft
+        with a record is not probed, for a probe drafts its whole cap where drafting does not pay."""
         self._start(requests)
         return frozenset(filter(self._dormant.__contains__, requests))
 

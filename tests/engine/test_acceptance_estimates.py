@@ -46,6 +46,8 @@ def test_a_draft_s_recorded_acceptance_is_the_prior_and_a_few_refusals_do_not_ma
             counts.observe("hard", 3, 0)
     assert estimates.engine_rates()[0] > 0.7  # the record still weighs
     assert guessed.engine_rates()[0] < 0.4  # a guessed prior does not (INITIAL_ACCEPTANCE)
+    assert estimates.evidence() == pytest.approx(3 + 32, abs=0.1)  # a record is evidence (RECORD_WEIGHT drafts) ...
+    assert guessed.evidence() == pytest.approx(3, abs=0.1)  # ... a guess is not (counts fade a little)
     for _ in range(300):  # the workload's own drafts take over: here it accepts less than recorded
         estimates.observe("r", 3, 1)
     assert estimates.engine_rates()[0] > 0.95 and estimates.engine_rates()[1] < 0.2

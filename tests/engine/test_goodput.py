@@ -237,6 +237,14 @@ def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_
     # Rates backed by enough drafts are trusted: where they say drafts do not pay, nobody probes.
     sure = _controller(3, lambda rows: max(0.01, 0.00125 * rows), lambda n: 0.003, {"poor": 0})
     assert sure.choose(["new"], [3], base_rows=1) == [0] and sure.is_dormant("new")
+    # So are a draft's recorded rates: they weigh as many drafts, and where they say drafts do not pay
+    # one request, the first request starts dormant rather than drafting to learn them.
+    recorded = GoodputController(3, recorded=(0.3, 0.1, 0.03))
+    for rows in (1, 2, 4, 8):
+        recorded.target_seconds.observe(rows, max(0.01, 0.00125 * rows))
+    recorded.draft_seconds.observe(1, 0.003)
+    assert recorded.acceptance.evidence() >= MIN_EVIDENCE and not recorded.speculation_pays(1)
+    assert recorded.choose(["first"], [3], base_rows=1) == [0] and recorded.is_dormant("first")
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():

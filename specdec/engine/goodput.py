@@ -380,9 +380,10 @@ class GoodputController(FixedDrafts):
         the prompting requests' one-off share (:meth:`_keeping`), summed over their prompt chunks."""
         self.lap("other")
         laps = self._laps
-        prompting = [r for r, rows, drafts in zip(layout.requests, layout.query_lens, layout.num_drafts)
-                     if rows != 1 + drafts and r not in self._dormant]
-        if not prompting:
+        with_prompts = [r for r, rows, drafts in zip(layout.requests, layout.query_lens, layout.num_drafts)
+                        if rows != 1 + drafts]  # a dormant request's keep nothing, but are no decode rows
+        prompting = [r for r in with_prompts if r not in self._dormant]
+        if not with_prompts:
             self.target_seconds.observe(layout.num_rows, laps["target"])
         self.other_seconds.observe(layout.num_requests, laps["other"])
         drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)

@@ -204,6 +204,16 @@ def test_a_catch_up_is_a_one_off_cost_spread_over_a_request_s_life():
     assert controller.life_tokens < 5 and not controller.speculation_pays(1)
 
 
+def test_a_dormant_request_s_prompt_is_not_priced_as_decode_rows():
+    controller = _controller(3, lambda rows: 0.001 * rows, lambda n: 0.01 * n, {r: 0 for r in range(4)})
+    assert controller.admit(["d"]) == {"d"}  # drafts do not pay: it starts dormant
+    cpu, before = torch.device("cpu"), dict(controller.target_seconds.points)
+    _timed_step(controller, StepLayout.build(["d"], [0], [200], [0], cpu), target=0.05)  # its prompt
+    assert controller.target_seconds.points == before
+    _timed_step(controller, StepLayout.build(["d"], [200], [1], [0], cpu), target=0.002)  # its decode steps are
+    assert controller.target_seconds.points[1] > before[1]
+
+
 def test_keeping_a_prompt_s_states_is_a_one_off_cost_not_the_keep_curve_s():
     controller = _controller(3, lambda rows: 0.01, lambda n: 0.001, {"seen": 3})
     cpu = torch.device("cpu")

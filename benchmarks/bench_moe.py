@@ -1,6 +1,7 @@
-"""The two schedules of ``FusedExperts`` (dense: every expert on every token; routed: one matmul per
-expert over its tokens) on the zoo MoEs' shapes, by batch size: where ``DENSE_MAX_ROWS`` and
-``DENSE_MAX_WASTE`` come from.
+"""The schedules of ``FusedExperts`` (dense: every expert on every token, as the batched matmuls
+training runs or as the two wide layers served weights run; routed: one matmul per expert over its
+tokens) on the zoo MoEs' shapes, by batch size: where ``DENSE_MAX_ROWS_PER_EXPERT`` and
+``DENSE_MAX_WASTE`` come from. Each schedule's time includes the weighted sum over the slots.
 
     python benchmarks/bench_moe.py [--dtype bfloat16] [--threads 1] [--rounds 3]
 
@@ -32,7 +33,8 @@ def experts_of(name: str, dtype: torch.dtype) -> tuple[FusedExperts, int]:
     config = config.get("text_config", config)
     num = config.get("num_local_experts") or config["n_routed_experts"]
     width = config.get("moe_intermediate_size") or config["intermediate_size"]
-    experts = FusedExperts(num, config["hidden_size"], width, lambda gu: silu_and_mul(*gu.chunk(2, dim=-1)))
+    experts = FusedExperts(num, config["hidden_size"], width, lambda gu: silu_and_mul(*gu.chunk(2, dim=-1)),
+                           top_k=config["num_experts_per_tok"])
     torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
     torch.nn.init.normal_(experts.down_proj, std=0.02)
     experts = experts.to(dtype)
@@ -62,16 +64,20 @@ def main() -> None:
             x = torch.randn(tokens, experts.gate_up_proj.shape[-1], dtype=dtype)
             chosen = torch.stack([torch.randperm(experts.num_experts)[:top_k] for _ in range(tokens)])
             weights = torch.rand(tokens, top_k)
-            times = {"dense": [], "routed": []}
+            schedules = {
+                "batched": lambda: experts._weighted_sum(experts._every_expert(x, chosen), weights),
+                "wide": lambda: experts._dense(x, chosen, weights),
+                "routed": lambda: experts._weighted_sum(experts._routed_rows(x, chosen), weights),
+            }
+            times = {name: [] for name in schedules}
             with torch.inference_mode():
                 for _ in range(args.rounds):
-                    times["dense"].append(microseconds(lambda: experts._every_expert(x, chosen), args.reps))
-                    times["routed"].append(microseconds(lambda: experts._routed_rows(x, chosen), args.reps))
-            dense, routed = (statistics.median(times[k]) for k in ("dense", "routed"))
-            picked = "dense" if experts.runs_dense(tokens, top_k) else "routed"
-            print(f"  {tokens:4d} tokens: dense {dense:7.0f}  routed {routed:7.0f}  "
-                  f"({routed / dense:.2f}x)  threshold picks {picked}")
-
+                    for name, call in schedules.items():
+                        times[name].append(microseconds(call, args.reps))
+            batched, wide, routed = (statistics.median(times[k]) for k in schedules)
+            picked = "dense" if experts.runs_dense(tokens) else "routed"
+            print(f"  {tokens:4d} tokens: dense batched {batched:7.0f}  wide {wide:7.0f}  routed {routed:7.0f}  "
+                  f"(routed / wide {routed / wide:.2f}x)  threshold picks {picked}")
 
 if __name__ == "__main__":
     main()

@@ -326,7 +326,8 @@ class DeepseekV3Experts(FusedExperts):
     """The routed experts, stacked: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
 
     def __init__(self, s: DeepseekV3Settings):
-        super().__init__(s.num_experts, s.hidden_size, s.moe_intermediate_size, gated_activation(s.hidden_act))
+        super().__init__(s.num_experts, s.hidden_size, s.moe_intermediate_size, gated_activation(s.hidden_act),
+                         top_k=s.top_k)
 
 
 class DeepseekV3MoE(nn.Module):

@@ -25,7 +25,7 @@ from specdec.distributed import parallel_state as ps
 from specdec.models.dims import check_gqa, gqa_dims, head_dim_of, rotary_dim_of  # noqa: F401
 from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype
 from specdec.models.parallel import split_spec
-from specdec.models.moe import FusedExperts, check_top_k, expert_slice, gated_activation, sigmoid_topk_routing
+from specdec.models.moe import FusedExperts, expert_slice, gated_activation, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget, load_weights_with_slices  # noqa: F401
 
 
@@ -84,10 +84,10 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         num_experts = config.num_local_experts
-        check_top_k(self.top_k, num_experts)
         activation = gated_activation(getattr(config, "hidden_act", "silu"))
         self.gate = Linear(config.hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, config.hidden_size, config.intermediate_size, activation)
+        self.experts = FusedExperts(num_experts, config.hidden_size, config.intermediate_size, activation,
+                                    top_k=self.top_k)
         # A parameter (not a buffer) so that a checkpoint without it is reported as incomplete.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 

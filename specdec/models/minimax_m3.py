@@ -45,7 +45,7 @@ from specdec.distributed import parallel_state as ps
 from specdec.models.layers import Linear, RMSNorm, RotaryEmbedding, compute_dtype, gated_projections
 from specdec.models.parallel import ColumnParallelLinear
 from specdec.models.minimax_m2 import is_mtp_tensor
-from specdec.models.moe import FusedExperts, check_top_k, expert_slice, sigmoid_topk_routing
+from specdec.models.moe import FusedExperts, expert_slice, sigmoid_topk_routing
 from specdec.models.weights import SliceTarget
 
 SPARSE_LAYER = "minimax_m3_sparse"
@@ -128,7 +128,6 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        check_top_k(self.top_k, config.num_local_experts)
         self.routed_scaling_factor = config.routed_scaling_factor
         alpha, limit = config.swiglu_alpha, config.swiglu_limit
         self.gate = MiniMaxM3Router(config)
@@ -137,6 +136,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
             config.hidden_size,
             config.intermediate_size,
             lambda gate_up: swiglu_oai(gate_up, alpha, limit),
+            top_k=self.top_k,
         )
         self.shared_experts = MiniMaxM3DenseMLP(config, config.shared_intermediate_size)
 

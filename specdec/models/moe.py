@@ -19,7 +19,7 @@ from torch import nn
 from specdec.backends import invariance
 from specdec.backends.base import math_dtype
 from specdec.distributed import parallel_state as ps
-from specdec.models.layers import activation, compute_dtype
+from specdec.models.layers import activation, compute_dtype, linear, onednn_prepack
 from specdec.models.loader import CheckpointError
 from specdec.models.parallel import PartsShard, split_spec
 from specdec.models.weights import PIECE, SliceTarget, row_pieces
@@ -56,23 +56,24 @@ def sigmoid_topk_routing(
 
 
 class FusedExperts(nn.Module):
-    """``E`` gated experts as two stacked tensors; ``activation`` maps ``[n, 2I]`` gate|up to ``[n, I]``.
+    """``E`` gated experts as two stacked tensors, ``top_k`` of them per token; ``activation`` maps
+    ``[n, 2I]`` gate|up to ``[n, I]``.
 
     Two schedules, one result (up to matmul rounding): a small MoE (at most ``DENSE_MAX_WASTE`` times
-    as many experts as each token routes to) over a batch of at most ``DENSE_MAX_ROWS`` token-expert
-    rows runs every expert on every token as two batched matmuls, a fixed handful of ops whatever the
-    routing; otherwise (token, slot) pairs are sorted by expert and each expert runs one matmul over
-    its tokens (a loop over experts, never over tokens), which computes only routed rows. The dense
-    schedule does ``num_experts / top_k`` times the routed work but skips the loop's per-expert
-    overhead: on the zoo's CPU MoEs (4 and 8 experts, top-2) it is faster up to 128-256 tokens, so
-    decode, verify and short prompts take it. A real MoE (hundreds of experts) never does.
+    as many experts as each token routes to) over a batch that would route at most
+    ``DENSE_MAX_ROWS_PER_EXPERT`` rows to an expert on average runs every expert on every token, a fixed
+    handful of ops whatever the routing; otherwise (token, slot) pairs are sorted by expert and each
+    expert runs one matmul over its tokens (a loop over experts, never over tokens), which computes
+    only routed rows. The dense schedule does ``num_experts / top_k`` times the routed work but skips
+    the loop's per-expert overhead, so decode, verify and short prompts take it; a real MoE (hundreds
+    of experts) never does. Served (:meth:`prepack_weights`), it runs as two wide layers
+    (:meth:`_dense`); where the routed schedule overtakes it, ``benchmarks/bench_moe.py`` shows (on the
+    zoo's MoEs, bf16 on a 2-core EPYC: past 64 tokens for 4 experts, 128 for 8, both top-2).
 
-    The batch-invariant mode picks the schedule from the model, not the batch: a MoE of at most
-    ``INVARIANT_DENSE_EXPERTS`` experts runs every expert on every token, others the routed schedule,
-    either one over tokens in fixed blocks (each product then has one shape whatever the batch).
+    The batch-invariant mode picks the schedule from the model, not the batch (:meth:`_invariant_rows`).
     """
 
-    DENSE_MAX_ROWS = 1024
+    DENSE_MAX_ROWS_PER_EXPERT = 32
     DENSE_MAX_WASTE = 8
     INVARIANT_DENSE_EXPERTS = 8
 
@@ -82,10 +83,13 @@ class FusedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         activation: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        top_k: int,
     ):
         super().__init__()
         tp = ps.current()
-        self.num_experts = num_experts
+        check_top_k(top_k, num_experts)
+        self.num_experts, self.top_k = num_experts, top_k
         # Tensor parallelism splits every expert's intermediate features; the ranks' outputs are summed.
         self.intermediate_size = local = tp.shard(intermediate_size, "the experts' intermediate_size")
         self.tp = tp
@@ -93,6 +97,7 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
         self.activation = activation
         self.prepacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_weights
+        self.wide: tuple[tuple, tuple] | None = None  # the two wide layers of _dense, see prepack_weights
         rows, cols = split_spec(1), split_spec(2)
         self.tp_shards = {
             "gate_up_proj": PartsShard(1, ((intermediate_size, rows), (intermediate_size, rows))),
@@ -106,40 +111,61 @@ class FusedExperts(nn.Module):
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` as ``[T, H]``, summed in at least float32.
 
         The result stays in that precision: callers add their shared experts or scaling and cast.
-        Either schedule ends in the same fixed-order sum over the k slots (deterministic, unlike
-        index_add_, and far cheaper on CPU).
+        Every schedule sums the k slots in a fixed order (deterministic, unlike index_add_, and far
+        cheaper on CPU): the per-slot products' weighted sum, or the wide down GEMM's accumulation.
         """
-        num_tokens, top_k = experts.shape
         if invariance.enabled():
-            if self.num_experts <= self.INVARIANT_DENSE_EXPERTS:
-                per_token = lambda rows, ids: self._every_expert(rows, ids).unflatten(0, (len(rows), top_k))  # noqa: E731
-                per_slot = invariance.in_row_blocks(per_token, x, experts).flatten(0, 1)
-            else:
-                per_slot = self._routed_rows(x, experts)  # each expert's products in row blocks
-        elif self.runs_dense(num_tokens, top_k):
-            per_slot = self._every_expert(x, experts)
+            out = self._weighted_sum(self._invariant_rows(x, experts), weights)
+        elif not self.runs_dense(x.shape[0]):
+            out = self._weighted_sum(self._routed_rows(x, experts), weights)
+        elif self.wide is not None:
+            out = self._dense(x, experts, weights)
         else:
-            per_slot = self._routed_rows(x, experts)
-        cd = compute_dtype(x.dtype)
-        weighted = per_slot.view(num_tokens, top_k, x.shape[-1]).to(cd) * weights.to(cd)[..., None]
-        out = weighted.sum(dim=1)
+            out = self._weighted_sum(self._every_expert(x, experts), weights)
         return ps.all_reduce(self.tp, out) if self.tp.size > 1 else out
 
-    def runs_dense(self, num_tokens: int, top_k: int) -> bool:
-        """Whether ``num_tokens`` tokens routed to ``top_k`` experts each take the dense schedule."""
-        return self.num_experts <= self.DENSE_MAX_WASTE * top_k and num_tokens * self.num_experts <= self.DENSE_MAX_ROWS
+    def _invariant_rows(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant mode's per-slot products: a MoE of at most ``INVARIANT_DENSE_EXPERTS``
+        experts runs every expert on every token, others the routed schedule, either one over tokens in
+        fixed blocks (each product then has one shape whatever the batch)."""
+        if self.num_experts > self.INVARIANT_DENSE_EXPERTS:
+            return self._routed_rows(x, experts)  # each expert's products in row blocks
+        top_k = experts.shape[1]
+        per_token = lambda rows, ids: self._every_expert(rows, ids).unflatten(0, (len(rows), top_k))  # noqa: E731
+        return invariance.in_row_blocks(per_token, x, experts).flatten(0, 1)
+
+    @staticmethod
+    def _weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[T * k, H]`` products in (token, slot) order, weighted and summed over the slots in at least float32."""
+        cd = compute_dtype(per_slot.dtype)
+        num_tokens, top_k = weights.shape
+        return (per_slot.view(num_tokens, top_k, -1).to(cd) * weights.to(cd)[..., None]).sum(dim=1)
+
+    @property
+    def may_run_dense(self) -> bool:
+        return self.num_experts <= self.DENSE_MAX_WASTE * self.top_k
+
+    def runs_dense(self, num_tokens: int) -> bool:
+        """Whether a batch of ``num_tokens`` tokens takes the dense schedule."""
+        return self.may_run_dense and num_tokens * self.top_k <= self.DENSE_MAX_ROWS_PER_EXPERT * self.num_experts
 
     def prepack_weights(self) -> None:
-        """For a half type the CPU has no kernels for (:func:`~specdec.backends.base.math_dtype`), float32
-        copies laid out for ``x @ copy`` (what :func:`specdec.models.layers.prepack_weights` calls)."""
+        """Serving copies (what :func:`specdec.models.layers.prepack_weights` calls): for a half type the
+        CPU has no kernels for (:func:`~specdec.backends.base.math_dtype`), float32 copies laid out for
+        ``x @ copy``; for a MoE that may run dense, its experts as two wide layers (:meth:`_dense`),
+        each prepacked as a :class:`~specdec.models.layers.Linear` is."""
         weight = self.gate_up_proj
         if math_dtype(weight.dtype, weight.device) != weight.dtype:
             self.prepacked = tuple(
                 w.detach().to(torch.float32).transpose(1, 2).contiguous() for w in (self.gate_up_proj, self.down_proj)
             )
+        if self.may_run_dense:
+            gate_up = self.gate_up_proj.detach().flatten(0, 1)  # [E * 2I, H]: every expert's gate|up rows
+            down = self.down_proj.detach().transpose(0, 1).flatten(1).contiguous()  # [H, E * I]
+            self.wide = (gate_up, onednn_prepack(gate_up)), (down, onednn_prepack(down))
 
     def _apply(self, fn, recurse: bool = True):
-        self.prepacked = None  # moved or cast: the copies no longer match
+        self.prepacked = self.wide = None  # moved or cast: the copies no longer match
         return super()._apply(fn, recurse)
 
     def _product(self, x: torch.Tensor, part: int, expert: int | None = None) -> torch.Tensor:
@@ -157,6 +183,23 @@ class FusedExperts(nn.Module):
         if expert is not None:
             return F.linear(x, weight[expert])
         return torch.matmul(x, weight.transpose(1, 2))
+
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The MoE sum ``[T, H]`` from every expert on every token, as two wide layers: gate|up of all
+        experts in one GEMM, then their down projections in one GEMM over the activations, each scaled
+        by its token's routing weight for that expert (zero for the experts it does not route to), so
+        the GEMM's own accumulation sums the slots.
+
+        On the zoo's MoEs (bf16) it takes half the time of the batched matmuls at 1 to 4 tokens. The
+        activation and the scaling run in at least float32 and round once, as the matmuls' outputs
+        were, so the sum is as close to float64's (3.4e-3 relative against 3.8e-3)."""
+        num_tokens, cd = x.shape[0], compute_dtype(x.dtype)
+        (gate_up, gate_up_packed), (down, down_packed) = self.wide
+        per_expert = torch.zeros(num_tokens, self.num_experts, dtype=cd, device=x.device)
+        per_expert.scatter_add_(1, experts, weights.to(cd))  # a token routed twice to one expert: both slots
+        hidden = linear(x, gate_up, prepacked=gate_up_packed).view(num_tokens, self.num_experts, -1)
+        hidden = (self.activation(hidden.to(cd)) * per_expert[..., None]).to(x.dtype)
+        return linear(hidden.flatten(1), down, prepacked=down_packed).to(cd)
 
     def _every_expert(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``[T * k, H]`` outputs in (token, slot) order, from all ``E`` experts run on all tokens."""

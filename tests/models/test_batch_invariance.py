@@ -103,7 +103,7 @@ def _deepseek_settings(groups: int) -> DeepseekV3Settings:
 def _experts(dtype: torch.dtype, prepack: bool, num_experts: int = 4) -> Op:
     """Few experts run every expert on every token; more (16 here) the routed schedule."""
     torch.manual_seed(0)
-    experts = FusedExperts(num_experts, HIDDEN, 64, gated_activation("silu"))
+    experts = FusedExperts(num_experts, HIDDEN, 64, gated_activation("silu"), top_k=2)
     torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
     torch.nn.init.normal_(experts.down_proj, std=0.05)
     experts = experts.to(dtype).requires_grad_(False)

@@ -22,12 +22,13 @@ tokens per second:
   when the engine starts, at the level the steps measure.
 
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
-which the rate peaked (a request's drafts are always a prefix of its chain). Zero drafts for everyone
-is a valid answer. It is lossless by construction: only
-how many drafts are verified changes, never how they are verified.
+which the rate peaked (a request's drafts are always a prefix of its chain), if it beats
+:data:`ADMIT_GAIN` times the rate of none. Zero drafts for everyone is a valid answer. It is lossless
+by construction: only how many drafts are verified changes, never how they are verified.
 
 A request given drafts in at most :data:`DORMANT_MAX_DRAFTING` of its last :data:`DORMANT_WINDOW`
-steps goes *dormant*: it gets no drafts unless woken, and the engine tells the proposer
+steps, or left without in a step that gives nobody drafts at a load where none would start drafting,
+goes *dormant*: it gets no drafts unless woken, and the engine tells the proposer
 (``StepFeedback.dormant``) so that it stops keeping the request's draft state. Keeping an EAGLE3 head
 ready costs every step whether it drafts or not (the target captures its aux layers, the proposer keeps
 their fused states), and each resumption costs a catch-up over every token missed, so drafting now
@@ -65,7 +66,7 @@ from specdec.runtime.layout import StepLayout
 # A request given drafts in at most this many of its last DORMANT_WINDOW steps gets none again (dormant).
 DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
-# Requests start dormant unless drafting promises at least this many times the rate of none.
+# A step drafts, and requests start drafting, only where that promises this many times the rate of none.
 ADMIT_GAIN = 1.1
 # While fewer drafts than this back the engine-wide acceptance (a recorded one counts RECORD_WEIGHT), a
 # request admitted where drafting does not pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
@@ -162,17 +163,13 @@ class GoodputController(FixedDrafts):
     def choose(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int) -> list[int]:
         """Draft counts (``0 <= count <= cap``) for ``requests`` in a step whose decoding requests run
         ``base_rows`` rows before drafts: the best rate's (:meth:`best_counts`), none for dormant requests.
-
-        Prompt rows in the step are left out: they cost the same whatever is chosen, and pricing them
-        would make the choice depend on whether a prompt happens to run beside (the step's rate would
-        fall, and a draft would look worth more than in the same step without the prompt).
+        Prompt rows in the step are left out: they cost the same whatever is chosen (priced, the choice
+        would depend on whether a prompt happens to run beside).
 
         Every :data:`PROBE_EVERY`-th step gives one draft more than the best rate's to a request that drafts: a
         forward's cost at a size is learnt only from steps that run it, so a size priced dear once (a
-        passing slowdown; perhaps a shape's first forward, not verified) would otherwise never run, and
-        never be measured, again. On the zoo MiniMax-M3 pair at concurrency 1 with a cap of
-        5, the 6-row forward read 14-18 ms that way and stayed there, while steps made to run it read
-        9.4 ms (9.25 at 5 rows), so the engine drafted 3 or 4 where 5 was best."""
+        passing slowdown) would never run, and be measured, again (at concurrency 1 on the zoo MiniMax-M3
+        pair with a cap of 5, 6 rows read 14-18 ms where they take 9.4, and 5 drafts were never chosen)."""
         self._start(requests)
         caps = [0 if request in self._dormant else cap for request, cap in zip(requests, caps)]
         if not any(caps):
@@ -185,7 +182,9 @@ class GoodputController(FixedDrafts):
                           for request, cap, count in zip(requests, caps, counts)]
             else:
                 self._probing.clear()  # enough learnt: they draft as the model says
-        self._note_drafting(requests, caps, counts)
+        dormant = sum(map(self._dormant.__contains__, requests))
+        self._note_drafting(requests, caps, counts,
+                            at_once=not any(counts) and not self.speculation_pays(len(requests), dormant))
         return counts
 
     def admit(self, requests: Sequence[Hashable]) -> frozenset:
@@ -221,11 +220,13 @@ class GoodputController(FixedDrafts):
 
     def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int, *,
                     probe: bool = False) -> list[int]:
-        """The counts at which the step's expected tokens per second peak (the module docstring); with
-        ``probe``, one draft more for a request given drafts, where its cap allows."""
+        """The counts at which the step's expected tokens per second peak, if :data:`ADMIT_GAIN` times the
+        rate of none (the module docstring); with ``probe``, one draft more for a request given drafts,
+        where its cap allows. At concurrency 32 on the zoo MiniMax-M3 pair the model promised drafting
+        1.07x, and an engine that drafted there served 0.84-0.93x of none's tokens per second."""
         prior = self.acceptance.engine_rates()
         return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)],
-                          probe=probe)[0]
+                          margin=ADMIT_GAIN, probe=probe)[0]
 
     def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
         """Whether a decode step of ``num_requests`` requests, ``num_dormant`` of them dormant and the
@@ -250,10 +251,8 @@ class GoodputController(FixedDrafts):
     def _keeping(self, awake: int, chain: list[float]) -> float:
         """Seconds a step of ``awake`` requests drafting along ``chain`` owes for their draft state: keeping
         it, and each request's one-off costs (its catch-up when it starts drafting, keeping its prompt's
-        states), spread over the tokens of its life (a request emits ``1 + sum(chain)`` of them a step).
-        The catch-up is a one-off cost per request: taken
-        as a cost per step at the load where it happened, it priced keeping draft state 3 to 15 times what
-        the steps measured at concurrency 16 and 32 on the zoo MiniMax-M3 pair."""
+        states), spread over the tokens of its life (a request emits ``1 + sum(chain)`` of them a step):
+        as a cost per step, the catch-up priced keeping 3-15x what steps took (zoo MiniMax-M3, c16 and c32)."""
         spread = (1.0 + sum(chain)) / self.life_tokens if self.life_tokens else 0.0
         return self.keep_seconds(awake) + awake * (self.catch_up_seconds + self.prompt_keep_seconds) * spread
 
@@ -269,9 +268,7 @@ class GoodputController(FixedDrafts):
         and drafting their remaining tokens saves :data:`WAKE_GAIN` times the recompute (the woken
         requests' contexts priced as decode rows, dearer than a prompt's). Without it, a request left
         alone at the end of a busy spell decodes plainly to its end where drafting is fastest. The fall
-        is asked for because admission's question is the optimistic one: at concurrency 32 on the zoo
-        MiniMax-M3 pair it says drafting pays, the steps' choices then find it does not, and waking on
-        its word recomputed requests to draft at a load where drafts cost more than they bring."""
+        is asked for because admission's word alone woke requests at c32 on the zoo MiniMax-M3 pair."""
         seqs = [s for s in seqs if not s.is_finished]
         dormant = [s for s in seqs if s.seq_id in self._dormant and s.seq_id not in self._woken
                    and len(seqs) * WAKE_LOAD_FALL <= self._dormant_load.get(s.seq_id, 0)]
@@ -334,8 +331,11 @@ class GoodputController(FixedDrafts):
                 counts[deeper] += 1
         return counts, best_rate
 
-    def _note_drafting(self, requests: Sequence[Hashable], caps: Sequence[int], counts: Sequence[int]) -> None:
-        """Record who drafted this step; requests that drafted in few of their last steps go dormant."""
+    def _note_drafting(self, requests: Sequence[Hashable], caps: Sequence[int], counts: Sequence[int], *,
+                       at_once: bool) -> None:
+        """Record who drafted this step; requests that drafted in few of their last steps go dormant, and
+        ``at_once`` (nobody drafts, and admission would start nobody drafting: not at this load) every
+        request that could have; one left without for its own poor acceptance waits out the window."""
         full = 1 << DORMANT_WINDOW  # the marker bit, shifted past the window once it has been filled
         for request, cap, count in zip(requests, caps, counts):
             if not cap:
@@ -343,9 +343,9 @@ class GoodputController(FixedDrafts):
             history = (self._history.get(request, 1) << 1) | bool(count)
             if history >= full:  # the marker reached the window's end: its last steps are all known
                 history = full | (history & (full - 1))
-                if (history & (full - 1)).bit_count() <= DORMANT_MAX_DRAFTING:
-                    self._dormant.add(request)
-                    self._dormant_load[request] = len(requests)
+            if at_once or history >= full and (history & (full - 1)).bit_count() <= DORMANT_MAX_DRAFTING:
+                self._dormant.add(request)
+                self._dormant_load[request] = len(requests)
             self._history[request] = history
 
     # ----- what a step taught -----

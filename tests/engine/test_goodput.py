@@ -23,11 +23,13 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.engine.cost_curve import CostCurve
 from specdec.engine.goodput import (
+    ADMIT_GAIN,
     DORMANT_MAX_DRAFTING,
     DORMANT_WINDOW,
     MIN_EVIDENCE,
     PROBE_EVERY,
     GoodputController,
+    _chain,
 )
 from specdec.runtime.layout import StepLayout
 from specdec.zoo import zoo_path
@@ -292,7 +294,8 @@ def test_every_few_steps_a_drafting_request_gets_one_draft_more():
 
 
 class Scripted(GoodputController):
-    """Drafts when the script says so, then applies the controller's own dormancy rule."""
+    """Drafts for ``"r"`` when the script says so (and for every other request always), then applies
+    the controller's own dormancy rule."""
 
     def __init__(self, script):
         super().__init__(3)
@@ -300,7 +303,7 @@ class Scripted(GoodputController):
 
     def best_counts(self, requests, caps, base_rows, probe=False):
         drafted = next(self.script)
-        return [cap if drafted else 0 for cap in caps]
+        return [cap if drafted or request != "r" else 0 for request, cap in zip(requests, caps)]
 
 
 @pytest.mark.parametrize("drafting", [DORMANT_MAX_DRAFTING, DORMANT_MAX_DRAFTING + 1])
@@ -310,8 +313,35 @@ def test_a_request_drafting_now_and_then_goes_dormant_too(drafting):
     script = [True] * drafting + [False] * (DORMANT_WINDOW - drafting)
     controller = Scripted(script)
     for _ in script:
-        controller.choose(["r"], [3], base_rows=1)
+        controller.choose(["r", "other"], [3, 3], base_rows=2)
     assert controller.is_dormant("r") == (drafting <= DORMANT_MAX_DRAFTING)
+    assert not controller.is_dormant("other")
+
+
+def test_a_step_whose_drafts_promise_less_than_the_margin_drafts_none_and_its_requests_go_dormant():
+    """What the model leaves out falls on drafting's side (ADMIT_GAIN), in a step's choice as at
+    admission; and a step that gives nobody drafts says drafting does not pay at this load, so its
+    requests stop keeping draft state at once instead of for DORMANT_WINDOW steps."""
+    requests = list(range(4))
+    controller = _controller(3, lambda rows: 0.01 + 0.001 * rows, lambda n: 0.002, {r: 1 for r in requests})
+    assert controller.choose(requests, [3] * 4, base_rows=4) == [1] * 4  # admitted drafting: drafts are cheap
+    controller.draft_seconds = CostCurve()  # now they are dear: one draft each promises 1.08x the rate of none
+    for size in (1, 4, 32):
+        controller.draft_seconds.observe(size, 0.008)
+    prior = controller.acceptance.engine_rates()
+    counts, rate = controller._best(4, [_chain(controller.acceptance.rates(r, prior)) for r in requests])
+    plain_seconds = controller.other_seconds(4) + controller.target_seconds(4)
+    assert counts == [1] * 4 and 1 < rate * plain_seconds / 4 < ADMIT_GAIN
+    assert controller.choose(requests, [3] * 4, base_rows=4) == [0] * 4
+    assert all(map(controller.is_dormant, requests))
+    # Left without drafts for its own poor acceptance, where drafting pays at the engine-wide rates, a
+    # request waits out the window (its acceptance might be a bad start).
+    sure = _controller(3, lambda rows: 0.01 + 0.001 * rows, lambda n: 0.002, {r: 3 for r in requests})
+    sure.choose(["poor"], [3], base_rows=1)
+    for _ in range(40):
+        sure.observe_verified("poor", 3, 0)
+    assert sure.choose(["poor"], [3], base_rows=1) == [0] and sure.speculation_pays(1)
+    assert not sure.is_dormant("poor")
 
 
 # ----------------------------------------------------------------------------- through the engine

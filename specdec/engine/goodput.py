@@ -182,9 +182,9 @@ class GoodputController(FixedDrafts):
                           for request, cap, count in zip(requests, caps, counts)]
             else:
                 self._probing.clear()  # enough learnt: they draft as the model says
-        dormant = sum(map(self._dormant.__contains__, requests))
+        num_dormant = sum(map(self._dormant.__contains__, requests))
         self._note_drafting(requests, caps, counts,
-                            at_once=not any(counts) and not self.speculation_pays(len(requests), dormant))
+                            at_once=not any(counts) and not self.speculation_pays(len(requests), num_dormant))
         return counts
 
     def admit(self, requests: Sequence[Hashable]) -> frozenset:
@@ -380,8 +380,9 @@ class GoodputController(FixedDrafts):
         the prompting requests' one-off share (:meth:`_keeping`), summed over their prompt chunks."""
         self.lap("other")
         laps = self._laps
+        # A dormant request's prompt keeps nothing, but its rows are no decode rows either.
         with_prompts = [r for r, rows, drafts in zip(layout.requests, layout.query_lens, layout.num_drafts)
-                        if rows != 1 + drafts]  # a dormant request's keep nothing, but are no decode rows
+                        if rows != 1 + drafts]
         prompting = [r for r in with_prompts if r not in self._dormant]
         if not with_prompts:
             self.target_seconds.observe(layout.num_rows, laps["target"])

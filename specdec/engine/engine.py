@@ -35,7 +35,8 @@ from specdec.distributed.step_sync import StepSync
 from specdec.engine.acceptance_alarm import AcceptanceAlarm
 from specdec.engine.compat import check_batch_invariant
 from specdec.engine.calibration import calibrate
-from specdec.engine.goodput import FixedDrafts, GoodputController
+from specdec.engine.draft_counts import FixedDrafts
+from specdec.engine.goodput import GoodputController
 from specdec.engine.pools import TARGET_POOL, EnginePools, register_pools
 from specdec.engine.prefix_caching import PrefixCacheStats, PrefixCaching
 from specdec.engine.scheduler import Scheduler
@@ -44,8 +45,7 @@ from specdec.outputs import RequestStep, StepOutput
 from specdec.proposers.base import Proposal, Proposer, StepFeedback
 from specdec.runtime.layout import StepLayout
 from specdec.runtime.model_runner import ModelRunner
-from specdec.runtime.sequence import Sequence as EngineSequence
-from specdec.runtime.sequence import checked_prompt
+from specdec.runtime.sequence import Sequence as EngineSequence, checked_prompt
 from specdec.sampling.logprobs import new_token_logprobs, prompt_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sampler import Sampler, SamplingBatch

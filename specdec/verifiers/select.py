@@ -51,12 +51,15 @@ class VerifierChoice:
                draft_probs: torch.Tensor | None, sampling: SamplingBatch | None, k: int) -> StepVerdict:
         """Verify the drafts of the step's sampling requests; ``logits`` are the verify rows'."""
         index = layout.sampling
+        verifier = self.pick(sampling, draft_probs)
+        if verifier is self._greedy:
+            num_accepted, emitted = self._greedy.verify_lists(logits, [draft_token_ids[i] for i in index])
+            return StepVerdict(num_accepted, emitted, verifier.name)
         device = logits.device
         padded = torch.tensor([draft_token_ids[i] + [PAD_TOKEN_ID] * (k - len(draft_token_ids[i])) for i in index],
                               device=device)
         num_drafts = torch.tensor([layout.num_drafts[i] for i in index], device=device)
         if draft_probs is not None and len(index) < layout.num_requests:
             draft_probs = draft_probs[torch.tensor(index, device=draft_probs.device)]
-        verifier = self.pick(sampling, draft_probs)
         result = verifier.verify(logits, padded, num_drafts, draft_probs, sampling)
         return StepVerdict(result.num_accepted.tolist(), result.emitted(), verifier.name)

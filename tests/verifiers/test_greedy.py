@@ -47,8 +47,14 @@ def test_matches_reference_on_random_batches(k):
         drafts = torch.randint(0, vocab, (num_req, k), generator=gen)
         drafts[torch.arange(k).unsqueeze(0) >= num_drafts.unsqueeze(1)] = -1
         res = GreedyVerifier().verify(logits, drafts, num_drafts)
-        assert res.emitted() == reference_greedy(logits, drafts.tolist(), num_drafts.tolist())
+        expected = reference_greedy(logits, drafts.tolist(), num_drafts.tolist())
+        assert res.emitted() == expected
         assert torch.equal(res.num_emitted, res.num_accepted + 1)
+        # The engine's form, drafts as lists: the same verdict.
+        listed = [row[:n] for row, n in zip(drafts.tolist(), num_drafts.tolist())]
+        num_accepted, emitted = GreedyVerifier().verify_lists(logits, listed)
+        assert emitted == expected
+        assert num_accepted == res.num_accepted.tolist()
 
 
 def test_input_errors_name_the_problem():
@@ -69,6 +75,13 @@ def test_input_errors_name_the_problem():
         v.verify(logits, torch.zeros(2, dtype=torch.int64), torch.tensor([1, 1]))
     # Padding outside num_drafts is never read, whatever it holds.
     assert v.verify(logits, torch.tensor([[0, 99], [0, -7]]), torch.tensor([1, 1])).num_emitted.tolist() == [2, 2]
+
+
+def test_listed_drafts_must_match_the_logits_rows():
+    with pytest.raises(ValueError, match="target_logits has 4 rows for drafts needing 3"):
+        GreedyVerifier().verify_lists(torch.zeros(4, 6), [[1], []])
+    with pytest.raises(ValueError, match="target_logits has 2 rows for drafts needing 3"):
+        GreedyVerifier().verify_lists(torch.zeros(2, 6), [[1], []])
 
 
 def test_registry():

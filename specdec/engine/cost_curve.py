@@ -34,6 +34,7 @@ class CostCurve:
         self.smoothing = smoothing
         self.points: dict[int, float] = {}  # observed
         self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
+        self.num_observed = 0  # observations at every size, all of them
         self.calibrated: dict[int, float] = {}
         self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and fitted costs, when read
 
@@ -41,6 +42,7 @@ class CostCurve:
         old = self.points.get(size)
         self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
         self.weights[size] = min(self.weights.get(size, 0) + 1, MAX_WEIGHT)
+        self.num_observed += 1
         self._curve = None
 
     def calibrate(self, size: int, seconds: float) -> None:
@@ -81,10 +83,10 @@ class CostCurve:
         return self._curve
 
     def state(self) -> tuple:
-        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items())
+        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items()), self.num_observed
 
     def load(self, state) -> None:
-        points, weights, calibrated = state
+        points, weights, calibrated, self.num_observed = state
         self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
         self._curve = None
 

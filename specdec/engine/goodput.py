@@ -39,7 +39,8 @@ Finding that out takes a request :data:`DORMANT_WINDOW` steps of kept state, a l
 request's life, so a request starts dormant when a step of the present requests would give no drafts
 even to those accepted at the engine-wide rates, once the cost of keeping their draft state is counted
 and the dormant ones among them draft nothing (:meth:`GoodputController.speculation_pays`); while
-those rates rest on too few drafts, one such request at a time drafts instead, to learn them. The
+those rates rest on too few drafts, or a draft forward's price on too few timed steps, one such
+request at a time drafts instead, to learn them. The
 question is asked afresh for every request admitted, so speculation comes back when the load falls
 and the dormant requests have finished. A dormant request still running then is *woken* once, when
 drafting its remaining tokens saves more than rebuilding its draft state costs: the engine has the
@@ -72,6 +73,10 @@ ADMIT_GAIN = 1.1
 # While fewer drafts than this back the engine-wide acceptance (a recorded one counts RECORD_WEIGHT), a
 # request admitted where drafting does not pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
 MIN_EVIDENCE = 32
+# ... and while fewer timed steps than this back the price of a draft forward.
+MIN_TIMED_DRAFT_STEPS = 16
+# Such a probe drafts every draft for at least this many steps, however soon the evidence suffices.
+PROBE_STEPS = 32
 # Every PROBE_EVERY-th choice gives a request that drafts one draft more than the best rate's
 # (:meth:`GoodputController.choose`).
 PROBE_EVERY = 8
@@ -113,7 +118,7 @@ class GoodputController(FixedDrafts):
         self._dormant: set[Hashable] = set()
         self._dormant_load: dict[Hashable, int] = {}  # per dormant request: the step's requests then
         self._woken: set[Hashable] = set()  # requests woken once (:meth:`to_wake`), to be admitted drafting
-        self._probing: set[Hashable] = set()  # admitted to draft every draft while the rates lack evidence
+        self._probing: dict[Hashable, int] = {}  # admitted to draft every draft (:meth:`admit`): its steps so far
         self._drafted: frozenset = frozenset()  # the requests whose drafts the last step verified
         self._choices = 0  # steps chosen for, which sets the probing ones (the same count on every rank)
         self._laps: dict[str, float] = {}
@@ -136,12 +141,12 @@ class GoodputController(FixedDrafts):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
         self._choices += 1
         counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
-        if self._probing:
-            if self.acceptance.evidence() < MIN_EVIDENCE:
-                counts = [cap if request in self._probing else count
-                          for request, cap, count in zip(requests, caps, counts)]
-            else:
-                self._probing.clear()  # enough learnt: they draft as the model says
+        for i, (request, cap) in enumerate(zip(requests, caps)):
+            if request in self._probing and cap:
+                counts[i] = cap
+                self._probing[request] += 1
+                if self._probing[request] >= PROBE_STEPS and not self._lacks_evidence():
+                    del self._probing[request]  # enough learnt: it drafts as the model says
         num_dormant = sum(map(self._dormant.__contains__, requests))
         self._note_drafting(requests, caps, counts,
                             at_once=not any(counts) and not self.speculation_pays(len(requests), num_dormant))
@@ -159,9 +164,27 @@ class GoodputController(FixedDrafts):
         8-token request on the zoo llama-tiny pair (3 drafting steps, all refused) a guessed prior's
         first-position rate read 0.34 (0.77 once learnt), and every later request started dormant. A
         recorded acceptance backs the rates as a probe would (a few refusals leave it above 0.7): a draft
-        with a record is not probed, for a probe drafts its whole cap where drafting does not pay."""
+        with a record is not probed, for a probe drafts its whole cap where drafting does not pay.
+
+        So does a draft forward priced from fewer than :data:`MIN_TIMED_DRAFT_STEPS` timed steps: an
+        engine's first forwards pay one-off costs (oneDNN primitives made for each new shape, caches and
+        allocator cold, the attention layout timed once), and a price nobody drafts at is never measured
+        again. On the zoo llama-tiny pair (batch 1, 16 stdlib prompts) the warm-up's three draft steps
+        priced a draft forward at 1.8-3.1 ms and 4 verify rows at 4.4-6.1 ms, where they take 0.9 and
+        2.8 in steady serving: every request started dormant, at 0.98-1.06x of plain decoding where a
+        fixed k=3 ran 1.19-1.24x.
+
+        A probe drafts every draft for :data:`PROBE_STEPS` steps at least: a request's first drafts are
+        accepted less than its later ones (there, at the first position, 0.52 in the first four drafting
+        steps of the 16 requests and 0.70-0.84 in the next 28), so a probe cut short as soon as the
+        evidence sufficed (after 8 steps there) would teach the rates mostly its hardest stretch."""
         self._start(requests)
         return frozenset(filter(self._dormant.__contains__, requests))
+
+    def _lacks_evidence(self) -> bool:
+        """Whether the engine-wide rates or a draft forward's price rest on too little to trust (:meth:`admit`)."""
+        return (self.acceptance.evidence() < MIN_EVIDENCE
+                or self.draft_seconds.num_observed < MIN_TIMED_DRAFT_STEPS)
 
     def _start(self, requests: Sequence[Hashable]) -> None:
         """Give the requests new to the controller their start (:meth:`admit`)."""
@@ -172,8 +195,8 @@ class GoodputController(FixedDrafts):
                 self._history[request] = 1  # the marker bit (:meth:`_note_drafting`)
                 if not dormant or request in self._woken:
                     continue
-                if not self._probing and self.acceptance.evidence() < MIN_EVIDENCE:
-                    self._probing.add(request)
+                if not self._probing and self._lacks_evidence():
+                    self._probing[request] = 0
                 else:
                     self._dormant.add(request)
                     self._dormant_load[request] = len(requests)
@@ -379,7 +402,7 @@ class GoodputController(FixedDrafts):
         self._dormant.discard(request)
         self._dormant_load.pop(request, None)
         self._woken.discard(request)
-        self._probing.discard(request)
+        self._probing.pop(request, None)
 
     # ----- lockstep under tensor parallelism -----
     def cost_state(self) -> tuple:

@@ -26,6 +26,7 @@ def test_cost_curve_interpolates_bounds_outliers_and_extrapolates():
     copy = CostCurve()
     copy.load(curve.state())
     assert [copy(n) for n in (1, 8, 12, 40)] == [curve(n) for n in (1, 8, 12, 40)]
+    assert copy.num_observed == curve.num_observed == sum(curve.weights.values())  # none past MAX_WEIGHT here
 
 
 def test_a_cheap_outlier_does_not_price_every_smaller_size():

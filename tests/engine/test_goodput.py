@@ -27,7 +27,9 @@ from specdec.engine.goodput import (
     DORMANT_MAX_DRAFTING,
     DORMANT_WINDOW,
     MIN_EVIDENCE,
+    MIN_TIMED_DRAFT_STEPS,
     PROBE_EVERY,
+    PROBE_STEPS,
     GoodputController,
     _chain,
 )
@@ -42,8 +44,9 @@ def _controller(k: int, target, draft, acceptance: dict) -> GoodputController:
     controller = GoodputController(k)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128):
         controller.target_seconds.observe(rows, target(rows))
-    for requests in (1, 2, 4, 8, 16, 32):
-        controller.draft_seconds.observe(requests, draft(requests))
+    for _ in range(-(-MIN_TIMED_DRAFT_STEPS // 6)):  # enough timed steps that the price is trusted (no probe)
+        for requests in (1, 2, 4, 8, 16, 32):
+            controller.draft_seconds.observe(requests, draft(requests))
     for request, accepted in acceptance.items():
         for _ in range(40):
             controller.observe_verified(request, k, accepted)
@@ -244,7 +247,7 @@ def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_
     assert controller.best_counts(["probe"], [3], base_rows=1) != [3]  # the model alone would give it fewer
     for _ in range(MIN_EVIDENCE):  # what the probe learns: drafts are accepted
         controller.observe_verified("probe", 3, 3)
-    assert controller.choose(["probe"], [3], base_rows=1) == [3]  # now the model's choice
+    assert controller.best_counts(["probe"], [3], base_rows=1) == [3]  # now the model's choice too
     assert controller.speculation_pays(1)
     # Rates backed by enough drafts are trusted: where they say drafts do not pay, nobody probes.
     sure = _controller(3, lambda rows: max(0.01, 0.00125 * rows), lambda n: 0.003, {"poor": 0})
@@ -254,9 +257,46 @@ def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_
     recorded = GoodputController(3, recorded=(0.3, 0.1, 0.03))
     for rows in (1, 2, 4, 8):
         recorded.target_seconds.observe(rows, max(0.01, 0.00125 * rows))
-    recorded.draft_seconds.observe(1, 0.003)
+    for _ in range(MIN_TIMED_DRAFT_STEPS):
+        recorded.draft_seconds.observe(1, 0.003)
     assert recorded.acceptance.evidence() >= MIN_EVIDENCE and not recorded.speculation_pays(1)
     assert recorded.choose(["first"], [3], base_rows=1) == [0] and recorded.is_dormant("first")
+
+
+def test_while_few_timed_steps_back_a_draft_forward_s_price_one_request_admitted_dormant_drafts_to_learn_it():
+    # Well-accepted drafts (a recorded 0.8 / 0.7 / 0.6), but a warm-up's first draft forwards priced dear:
+    # at 8 ms a forward drafting does not pay, at the 1 ms they take in steady serving it does.
+    def warmed_up(dear_steps: int) -> GoodputController:
+        controller = GoodputController(3, recorded=(0.8, 0.7, 0.6))
+        for rows in range(1, 5):
+            controller.target_seconds.observe(rows, 0.01)
+        for _ in range(dear_steps):
+            controller.draft_seconds.observe(1, 0.008)
+        return controller
+
+    controller = warmed_up(3)
+    assert not controller.speculation_pays(1)
+    assert controller.choose(["probe", "other"], [3, 3], base_rows=2) == [3, 0]  # one probe, all its drafts
+    assert not controller.is_dormant("probe") and controller.is_dormant("other")
+    for _ in range(MIN_TIMED_DRAFT_STEPS - 3):  # what the probe's steps measure
+        controller.draft_seconds.observe(1, 0.001)
+    assert controller.speculation_pays(1)  # learnt: drafting pays, and later requests start drafting
+    assert controller.choose(["probe", "next"], [3, 3], base_rows=2) == [3, 3]
+    assert not controller.is_dormant("next")
+    # Where the probe's steps confirm the price, it drafts for PROBE_STEPS steps (its first drafts are
+    # accepted less than its later ones: cut short, it would teach the rates that stretch alone) and
+    # until they are timed steps enough, then as the model says.
+    confirmed = warmed_up(3)
+    for step in range(PROBE_STEPS):
+        assert confirmed.choose(["probe"], [3], base_rows=1) == [3], step
+        confirmed.draft_seconds.observe(1, 0.008)
+    assert confirmed.choose(["probe"], [3], base_rows=1) == [0]
+    slow = warmed_up(3)  # a probe whose steps are not timed (each catches up after a prompt chunk, say)
+    for step in range(PROBE_STEPS + 1):
+        assert slow.choose(["probe"], [3], base_rows=1) == [3], step
+    # A price backed by enough timed steps is trusted: where it says drafting does not pay, nobody probes.
+    sure = warmed_up(MIN_TIMED_DRAFT_STEPS)
+    assert sure.choose(["new"], [3], base_rows=1) == [0] and sure.is_dormant("new")
 
 
 def test_a_request_left_without_drafts_goes_dormant_until_it_is_forgotten():

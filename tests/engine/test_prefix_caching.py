@@ -45,7 +45,7 @@ from prefix_workload import (
 )
 
 from specdec import SamplingParams
-from specdec.engine.goodput import MIN_EVIDENCE, GoodputController
+from specdec.engine.goodput import MIN_EVIDENCE, MIN_TIMED_DRAFT_STEPS, GoodputController
 
 SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234, ignore_eos=True)
 
@@ -310,12 +310,14 @@ def test_prompt_logprobs_requests_reuse_nothing_and_match(models):
 
 class NeverPays(GoodputController):
     """Admission finds that drafting never pays: every request starts dormant (no probe either: the
-    rates are backed by drafts verified before)."""
+    rates are backed by drafts verified before, the draft's price by steps timed before)."""
 
     def __init__(self, k: int):
         super().__init__(k)
         for _ in range(2 * MIN_EVIDENCE):  # counts fade: more observations than the threshold
             self.acceptance.observe("before", k, 0)
+        for _ in range(MIN_TIMED_DRAFT_STEPS):
+            self.draft_seconds.observe(1, 1.0)
 
     def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
         return False

@@ -79,5 +79,6 @@ def main() -> None:
             print(f"  {tokens:4d} tokens: dense batched {batched:7.0f}  wide {wide:7.0f}  routed {routed:7.0f}  "
                   f"(routed / wide {routed / wide:.2f}x)  threshold picks {picked}")
 
+
 if __name__ == "__main__":
     main()

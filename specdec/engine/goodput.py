@@ -141,12 +141,13 @@ class GoodputController(FixedDrafts):
             return caps  # nothing to choose (every request dormant, at a load where drafts do not pay)
         self._choices += 1
         counts = self.best_counts(requests, caps, base_rows, probe=self._choices % PROBE_EVERY == 0)
-        for i, (request, cap) in enumerate(zip(requests, caps)):
-            if request in self._probing and cap:
-                counts[i] = cap
-                self._probing[request] += 1
-                if self._probing[request] >= PROBE_STEPS and not self._lacks_evidence():
-                    del self._probing[request]  # enough learnt: it drafts as the model says
+        if self._probing:  # a probe drafts every draft (:meth:`admit`)
+            for i, (request, cap) in enumerate(zip(requests, caps)):
+                if request in self._probing and cap:
+                    counts[i] = cap
+                    self._probing[request] += 1
+                    if self._probing[request] >= PROBE_STEPS and not self._lacks_evidence():
+                        del self._probing[request]  # enough learnt: it drafts as the model says
         num_dormant = sum(map(self._dormant.__contains__, requests))
         self._note_drafting(requests, caps, counts,
                             at_once=not any(counts) and not self.speculation_pays(len(requests), num_dormant))

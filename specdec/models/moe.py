@@ -130,8 +130,7 @@ class FusedExperts(nn.Module):
         fixed blocks (each product then has one shape whatever the batch)."""
         if self.num_experts > self.INVARIANT_DENSE_EXPERTS:
             return self._routed_rows(x, experts)  # each expert's products in row blocks
-        top_k = experts.shape[1]
-        per_token = lambda rows, ids: self._every_expert(rows, ids).unflatten(0, (len(rows), top_k))  # noqa: E731
+        per_token = lambda rows, ids: self._every_expert(rows, ids).unflatten(0, (len(rows), self.top_k))  # noqa: E731
         return invariance.in_row_blocks(per_token, x, experts).flatten(0, 1)
 
     @staticmethod

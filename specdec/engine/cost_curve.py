@@ -28,10 +28,17 @@ class CostCurve:
     a size seen only at short contexts, is averaged with its neighbours rather than believed (which
     would make its size dearer than bigger ones) or made a bound (which would price every smaller size
     at one lucky step). Between sizes it interpolates linearly, past the ends it follows the nearest
-    segment (never below zero)."""
+    segment (never below zero).
 
-    def __init__(self, smoothing: float = 0.25):
+    ``borrowed_shape``: the calibration is another forward's shape, not this curve's cost (the keeping
+    curve takes the draft chain's step, timed by requests). Until it has observed a point such a curve
+    prices nothing, as a curve without calibration does; once it has, sizes past the ones observed
+    follow the borrowed shape at the observed level, rather than the slope of the last two observed
+    points, which a few noisy points at small sizes make steep, or the proportion of a single point."""
+
+    def __init__(self, smoothing: float = 0.25, borrowed_shape: bool = False):
         self.smoothing = smoothing
+        self.borrowed_shape = borrowed_shape
         self.points: dict[int, float] = {}  # observed
         self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
         self.num_observed = 0  # observations at every size, all of them
@@ -73,6 +80,8 @@ class CostCurve:
         return float(np.median(both)) if both else 1.0
 
     def _read(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._curve is None and self.borrowed_shape and not self.points:
+            self._curve = np.empty(0), np.empty(0)  # another forward's costs: no price of this one yet
         if self._curve is None:
             scale = self.level()
             merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}

@@ -157,7 +157,7 @@ class LLMEngine:
             calibrate(self.draft_counts, self._forward, cache.free, max_requests=config.max_num_seqs,
                       max_rows=min(config.max_num_seqs * (self.num_speculative_tokens + 1),
                                    config.max_num_batched_tokens or self.max_model_len),
-                      vocab_size=self.model.vocab_size)
+                      vocab_size=self.model.vocab_size, draft_step=getattr(proposer, "calibration_step", None))
         self._seed_rng = random.Random(seed)
         self._next_id = 0
 

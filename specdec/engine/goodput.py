@@ -18,8 +18,9 @@ tokens per second:
   whatever is chosen), plus the draft chain (its depth times the
   seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
   sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s measured
-  by every step; the target's shape at sizes not run yet comes from forwards of growing size timed
-  when the engine starts, at the level the steps measure.
+  by every step; the target's and the draft's shapes at sizes not run yet come from forwards of
+  growing size timed when the engine starts (:mod:`specdec.engine.calibration`), at the level the
+  steps measure, and keeping draft state takes the draft's shape.
 
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
 which the rate peaked (a request's drafts are always a prefix of its chain), if it beats
@@ -104,7 +105,8 @@ class GoodputController(FixedDrafts):
         self.target_seconds = CostCurve()  # one target forward, by rows
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
-        self.keep_seconds = CostCurve()  # keeping draft states ready, by requests not dormant
+        # keeping draft states ready, by requests not dormant; shaped like the draft chain's step
+        self.keep_seconds = CostCurve(borrowed_shape=True)
         # A drafter's catch-up when a request starts (or resumes) drafting: seconds per request, and the
         # tokens a request emits in its life (over those finished) that it is spread over; moving averages.
         self.catch_up_seconds = 0.0

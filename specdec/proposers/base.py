@@ -176,6 +176,14 @@ class ProposerBase:
     def on_step(self, feedback: StepFeedback) -> None:
         pass
 
+    def calibration_step(self, requests: Sequence[Hashable]) -> bool:
+        """Run one step of the draft chain (a forward over one new token each, and its greedy draw) for
+        ``requests``: throwaway requests holding no rows, whose pages the engine frees after. The
+        adaptive controller times it at sizes up to ``max_num_seqs`` when the engine starts, for the
+        shape of its draft curve by requests (:func:`specdec.engine.calibration.calibrate`). Returns
+        whether a forward ran: False (the default) for a proposer without one worth timing."""
+        return False
+
 
 @keys_from(ModelOptions)
 class ModelProposer(ProposerBase):

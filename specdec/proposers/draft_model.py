@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -90,6 +90,11 @@ class DraftModelProposer(ModelProposer):
             batch_size=len(seqs), num_speculative_tokens=self.num_speculative_tokens,
             vocab_size=self.model.vocab_size, device=runner.device, sample=self.samples_drafts,
         )
+
+    def calibration_step(self, requests: Sequence[Hashable]) -> bool:
+        """A chain step's forward and greedy draw (:class:`~specdec.proposers.base.ProposerBase`)."""
+        self._draw(self.runner.forward([Chunk(request, [0]) for request in requests]).hidden_states, None, 0)
+        return True
 
     def _draw(self, hidden: torch.Tensor, batch: SamplingBatch | None, step: int):
         """Draft tokens for one position (from the draft's final hidden states) and, when any row

@@ -1,4 +1,4 @@
-"""The adaptive controller's starting target curve: the forwards timed when the engine starts."""
+"""The adaptive controller's starting curves: the target's and the draft chain's forwards timed when the engine starts."""
 
 from __future__ import annotations
 
@@ -19,3 +19,31 @@ def test_calibration_times_every_size_a_lone_request_steps_at_and_the_largest_st
     assert sorted(calibrated) == sizes and all(seconds > 0 for seconds in calibrated.values())
     assert calibration_sizes(5, 6) == [1, 2, 3, 4, 5, 6]
     assert calibration_sizes(3, 1000) == [1, 2, 3, 4, 8, 16, 32, 64, 128, CALIBRATION_MAX_ROWS]
+
+
+DRAFTS = {
+    "eagle3": ("llama-tiny", {"model": "llama-tiny-eagle3"}),
+    "eagle3-unshifted": ("llama-tiny", {"model": "llama-tiny-eagle3-unshifted", "kv_sharing": True}),
+    "eagle3.1-mla": ("kimi-k2-tiny", {"model": "kimi-k2-tiny-eagle3.1-mla"}),
+    "draft_model": ("llama-tiny", {"model": "draft-model-tiny"}),
+    "ngram": ("llama-tiny", {"prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTS))
+def test_calibration_times_a_draft_chain_step_by_requests_and_the_keeping_borrows_its_shape(method):
+    target, keys = DRAFTS[method]
+    keys = {key: str(zoo_path(value)) if key == "model" else value for key, value in keys.items()}
+    llm = LLM(str(zoo_path(target)), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=5,
+              speculative_config={"method": method, **keys, "num_speculative_tokens": 3, "adaptive": True})
+    controller, cache = llm.engine.draft_counts, llm.engine.cache
+    draft, keep = controller.draft_seconds, controller.keep_seconds
+    if method == "ngram":  # no forward of its own to time
+        assert draft.calibrated == keep.calibrated == {}
+    else:
+        assert sorted(draft.calibrated) == calibration_sizes(3, 5) == [1, 2, 3, 4, 5]
+        assert all(seconds > 0 for seconds in draft.calibrated.values())
+        assert draft(5) > 0 and keep.calibrated == draft.calibrated
+    assert keep(5) == 0.0  # the draft's costs give keeping a shape, not a price, until a step keeps state
+    for name, pool in cache.pools.items():  # the throwaway requests gave every page back
+        assert cache.num_free_blocks(name) == pool.num_blocks

@@ -53,3 +53,25 @@ def test_calibration_gives_the_shape_and_steps_the_level():
     copy = CostCurve()
     copy.load(curve.state())
     assert [copy(n) for n in (8, 20, 128, 300)] == [curve(n) for n in (8, 20, 128, 300)]
+
+
+def test_a_borrowed_shape_prices_nothing_until_observed_then_extrapolates_along_it():
+    curve = CostCurve(borrowed_shape=True)  # keeping draft state, shaped like the draft chain's step
+    for requests, seconds in ((1, 1.0), (2, 1.0), (4, 1.2), (16, 2.0), (32, 3.0)):
+        curve.calibrate(requests, seconds)
+    assert curve(1) == curve(16) == 0.0  # another forward's costs: nothing known of this one yet
+    curve.observe(1, 0.5)  # keeping one request's state (an engine that has served one at a time)
+    assert curve(16) == pytest.approx(1.0)  # along the shape at level 0.5, not 16 x 0.5 in proportion
+    for requests, seconds in ((2, 0.5), (4, 0.9)):  # a slowish step at 4 requests
+        curve.observe(requests, seconds)
+    # Median level 0.5: 32 requests cost the shape's 3.0 at it, not the 6.5 that the slope of the last
+    # two observed points (0.2 a request from 2 to 4) reaches without a shape.
+    assert curve(32) == pytest.approx(1.5)
+    unshaped = CostCurve()
+    for requests, seconds in ((1, 0.5), (2, 0.5), (4, 0.9)):
+        unshaped.observe(requests, seconds)
+    assert unshaped(32) == pytest.approx(6.5)
+    plain = CostCurve()
+    plain.load(curve.state())
+    assert plain(32) == pytest.approx(1.5)  # what differs is only the price before an observation
+    assert CostCurve(borrowed_shape=False).over(1, 2) == [0.0, 0.0]

@@ -289,6 +289,14 @@ class Eagle3Proposer(ModelProposer):
             vocab_size=self.draft.vocab_size, device=self.device, sample=self.samples_drafts,
         )
 
+    def calibration_step(self, requests: Sequence[Hashable]) -> bool:
+        """A chain step's forward and greedy draw, from zero fed-back states (:class:`ProposerBase`)."""
+        with torch.inference_mode():
+            fed = self.draft.fc.weight.new_zeros(len(requests), self.draft.hidden_size)
+            post, _ = self._forward(list(requests), [[0]] * len(requests), [(0, 1)] * len(requests), fed)
+            self._draw(post, None, 0)
+        return True
+
     def _draw(self, post: torch.Tensor, batch: SamplingBatch | None, step: int):
         """Draft target ids for one position (from post-norm draft states) and, when any row samples,
         their q over the target vocab. ``d2t`` maps the draft-vocabulary argmax after the reduction."""

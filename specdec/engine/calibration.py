@@ -1,5 +1,5 @@
-"""The adaptive controller's starting target curve: forwards of growing size timed when the engine
-starts (:func:`calibrate`), on throwaway requests, before any step has measured them."""
+"""The adaptive controller's starting target and draft curves: forwards of growing size timed when the
+engine starts (:func:`calibrate`), on throwaway requests, before any step has measured them."""
 
 from __future__ import annotations
 
@@ -60,10 +60,10 @@ def _calibrate_draft(controller: GoodputController, draft_step: Callable[[list[H
                      free: Callable[[Hashable], None], max_requests: int) -> None:
     """Time one step of the draft chain over :func:`calibration_sizes` requests, up to ``max_requests``:
     the draft curve's shape by requests, at the level the drafting steps measure (a chain's step here
-    reads no context, and a step's catch-up runs more rows). Until then the curve extrapolated from
+    reads no context, and a step's catch-up runs more rows). Without it the curve extrapolated from
     the sizes drafted at, in proportion from one: after serving one request at a time on the zoo
-    MiniMax-M3 pair it priced a 16-request draft forward at 16 x 1.6 ms where it takes 3.1, and
-    concurrency 16 ran plain in some rounds and drafted in others (fixed k=3 ran 1.01-1.15x of none)."""
+    MiniMax-M3 pair it priced a 16-request draft forward at 16 x 1.6 ms where it takes 3.1, and the
+    model gave concurrency 16 no drafts."""
     for requests in calibration_sizes(controller.k, max_requests):
         ids = [(_CALIBRATION_REQUEST, i) for i in range(requests)]
         ran = []

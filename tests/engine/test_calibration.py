@@ -1,4 +1,5 @@
-"""The adaptive controller's starting curves: the target's and the draft chain's forwards timed when the engine starts."""
+"""The adaptive controller's starting curves: the target's and the draft chain's forwards timed when
+the engine starts."""
 
 from __future__ import annotations
 

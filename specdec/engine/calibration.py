@@ -81,18 +81,16 @@ def _least_time(run: Callable[[], object], ids: list[Hashable], free: Callable[[
     """Seconds ``run`` takes over throwaway requests ``ids``, freed after each run: the least of the
     second and third runs (the first warms caches and allocator); None when the KV cache cannot hold them."""
     seconds = []
-    try:
-        for _ in range(3):
-            started = clock(device)
+    for _ in range(3):
+        started = clock(device)
+        try:
             run()
             seconds.append(clock(device) - started)
+        except KVCacheError:
+            return None
+        finally:
             for request in ids:
                 free(request)
-    except KVCacheError:
-        return None
-    finally:
-        for request in ids:
-            free(request)
     return min(seconds[1:])
 
 

@@ -2,9 +2,9 @@
 own (the engine process then starts rank 1's worker), a real client, and nothing left behind.
 
 One server start (the zoo MiniMax-M3 pair, EAGLE3 k=3, float64): a completion equals in-process
-``LLM.generate`` on one rank token for token, ``/metrics`` counts the drafts, and after SIGTERM the
-server exits 0 and every process it started (engine process, tensor-parallel worker, multiprocessing's
-resource tracker) is gone.
+``LLM.generate`` on one rank token for token, ``/metrics`` counts the drafts one rank makes, and after
+SIGTERM the server exits 0 and every process it started (engine process, tensor-parallel worker,
+multiprocessing's resource tracker) is gone.
 """
 
 from __future__ import annotations
@@ -81,5 +81,9 @@ def test_serve_with_two_ranks_answers_like_one_and_leaves_no_process_behind():
     want = reference.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0]
     assert got["choices"][0]["text"] == want.text
     assert got["usage"]["completion_tokens"] == len(want.token_ids) == MAX_TOKENS
-    assert metrics["vllm:spec_decode_num_drafts_total"] > 0
-    assert metrics["vllm:spec_decode_num_draft_tokens_total"] == 3 * metrics["vllm:spec_decode_num_drafts_total"]
+    # The two ranks drafted as one does: the same drafts, the same tokens (a request's last drafts are
+    # cut to the tokens it may still emit, so that is not 3 times the drafts).
+    stats = reference.spec_stats()
+    assert metrics["vllm:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens

@@ -33,12 +33,13 @@ level: output tok/s and each configuration's ratio to no speculation and to the 
 over trials. The best fixed k is the one an operator would pick from this run: the fixed k with the
 highest median rate at that level; each configuration is compared with that engine trial by trial.
 The ratio to the fastest fixed k of each trial is printed beside it, in brackets, and is stricter than
-it should be: it takes the largest of several noisy readings, so even an engine identical to the best
-fixed k reads below 1 by it (``--control`` adds such an engine, a second one at fixed k = ``--k``, to
-show what each figure makes of noise alone). The adaptive rows show the controller's choices in every
-round (``num_drafts_histogram``: one engine serves every level in turn, so what it chooses at a level
-may depend on the levels run before). Last, the controller's own cost per step at the highest concurrency (choose + observe over
-that many requests) against the plain decode step there.
+it should be: it takes the largest of several noisy readings, so an engine identical to the best fixed
+k reads below 1 by it on average wherever two fixed k run close (``--control`` adds such an engine, a
+second one at fixed k = ``--k``, to show what each figure makes of noise alone). The adaptive rows show
+the controller's choices in every round (``num_drafts_histogram``: one engine serves every level in
+turn, so what it chooses at a level may depend on the levels run before). Last, the controller's own
+cost per step at the highest concurrency (choose + observe over that many requests) against the plain
+decode step there.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
     python benchmarks/bench_adaptive.py [--target specdec/zoo/minimax-m3-tiny]
         [--draft specdec/zoo/minimax-m3-tiny-eagle3] [--k 3] [--concurrency 1,4,16,32]
         [--rounds 3] [--output-len 64] [--output-spread 0.5] [--temperature 0] [--dtype bfloat16] [--control]
+        [--quantization int8|int4]
 
 Prompts: windows of the training corpus's validation documents (``specdec.train.corpus``, the split
 the zoo drafts never trained on), ``--input-len`` tokens each. Every configuration (no speculation,
@@ -35,7 +36,9 @@ highest median rate at that level; each configuration is compared with that engi
 The ratio to the fastest fixed k of each trial is printed beside it, in brackets, and is stricter than
 it should be: it takes the largest of several noisy readings, so an engine identical to the best fixed
 k reads below 1 by it on average wherever two fixed k run close (``--control`` adds such an engine, a
-second one at fixed k = ``--k``, to show what each figure makes of noise alone). The adaptive rows show
+second one at fixed k = ``--k``, to show what each figure makes of noise alone; ``--quantization`` runs
+every speculative engine with the draft's weights quantized, and adds one at fixed k = ``--k`` without,
+for what the quantization gains). The adaptive rows show
 the controller's choices in every round (``num_drafts_histogram``: one engine serves every level in
 turn, so what it chooses at a level may depend on the levels run before). Last, the controller's own
 cost per step at the highest concurrency (choose + observe over that many requests) against the plain
@@ -54,6 +57,7 @@ from specdec import LLM, SamplingParams
 from specdec.bench.runner import serve
 from specdec.bench.workload import output_lengths
 from specdec.engine.goodput import GoodputController
+from specdec.models.quantization import SCHEMES
 from specdec.runtime.layout import StepLayout
 from specdec.tokenizer import encode
 from specdec.train.corpus import load_documents
@@ -122,18 +126,23 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quantization", choices=SCHEMES,
+                        help="the draft's weight quantization in every speculative engine (adds one without, at fixed k=--k)")
     parser.add_argument("--control", action="store_true",
                         help="add a second engine at fixed k=--k: what noise alone reads against the best fixed k")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    def spec(k: int, adaptive: bool = False) -> dict:
-        return {"method": args.method, "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive}
+    def spec(k: int, adaptive: bool = False, quantization: str | None = args.quantization) -> dict:
+        return {"method": args.method, "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive,
+                "quantization": quantization}
 
     configs = {"none": None, **{f"k={k}": spec(k) for k in range(1, args.k + 1)}, f"adaptive k<={args.k}": spec(args.k, True)}
     if args.control:
         configs[f"k={args.k} again"] = spec(args.k)
+    if args.quantization:
+        configs[f"k={args.k} unquantized"] = spec(args.k, quantization=None)
     count = {c: max(c * args.batches, args.min_prompts) for c in levels}  # prompts per level
     common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0,
                   enable_prefix_caching=False)  # prompts repeat across levels and rounds (the docstring)

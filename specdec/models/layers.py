@@ -96,15 +96,21 @@ def onednn_prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prepacked: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prepacked: torch.Tensor | None = None,
+    quantized=None,
 ) -> torch.Tensor:
     """``F.linear``, through ``prepacked`` (:func:`onednn_prepack` of ``weight``) when given and the
-    weight needs no gradient (the prepacked copy is outside autograd). In the batch-invariant mode the
-    rows run in fixed blocks (:func:`~specdec.backends.invariance.in_row_blocks`)."""
+    weight needs no gradient (the prepacked copy is outside autograd), or through ``quantized`` (a
+    :class:`~specdec.models.quantization.PackedWeight` of the same values) where it serves ``x``. In
+    the batch-invariant mode the rows run in fixed blocks
+    (:func:`~specdec.backends.invariance.in_row_blocks`), never through ``quantized``."""
     if invariance.enabled():
         rows = x.reshape(-1, x.shape[-1])
         y = invariance.in_row_blocks(lambda block: _linear(block, weight, bias, prepacked), rows)
         return y.view(*x.shape[:-1], y.shape[-1])
+    if quantized is not None and quantized.serves(x):
+        y = quantized(x)
+        return y if bias is None else y + bias
     return _linear(x, weight, bias, prepacked)
 
 
@@ -125,16 +131,17 @@ class Linear(nn.Linear):
     """
 
     prepacked: torch.Tensor | None = None
+    quantized = None  # a PackedWeight of the weight's values (specdec.models.quantization)
 
     def prepack_weights(self) -> None:
         self.prepacked = onednn_prepack(self.weight)
 
     def _apply(self, fn, recurse: bool = True):
-        self.prepacked = None  # moved or cast (.to, .double(), ...): the copy no longer matches
+        self.prepacked = self.quantized = None  # moved or cast (.to, .double(), ...): the copies no longer match
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.prepacked)
+        return linear(x, self.weight, self.bias, self.prepacked, self.quantized)
 
 
 class PrepackedLMHead:
@@ -147,6 +154,9 @@ class PrepackedLMHead:
     """
 
     _prepacked_head: torch.Tensor | None = None
+    # After quantize_head: the rows the logits read instead of output_weight(), and their packed copy.
+    _quantized_rows: torch.Tensor | None = None
+    _quantized_head = None
     vocab_group: "ps.TensorParallelGroup" = ps.SINGLE
 
     def bind_vocab_group(self) -> None:
@@ -162,9 +172,19 @@ class PrepackedLMHead:
         """How many logits :meth:`compute_logits` returns per row."""
         return self.vocab_size
 
+    def logits_weight(self) -> torch.Tensor:
+        """The rows the logits project onto: ``output_weight()``, or its quantized copy (:meth:`quantize_head`)."""
+        return self.output_weight() if self._quantized_rows is None else self._quantized_rows
+
+    def quantize_head(self, rows: torch.Tensor, packed) -> None:
+        """Read the logits off ``rows`` (``output_weight()`` quantized, a copy: those rows may be shared)
+        and their :class:`~specdec.models.quantization.PackedWeight` ``packed`` (or None) from now on."""
+        self._quantized_rows, self._quantized_head = rows, packed
+        self._prepacked_head = onednn_prepack(rows)
+
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over this rank's rows of the vocabulary (all of them with one rank)."""
-        return linear(hidden_states, self.output_weight(), prepacked=self._prepacked_head)
+        return linear(hidden_states, self.logits_weight(), prepacked=self._prepacked_head, quantized=self._quantized_head)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return ps.gather_vocab(self.vocab_group, self.local_logits(hidden_states), self.output_vocab_size)
@@ -176,10 +196,11 @@ class PrepackedLMHead:
 
     def prepack_weights(self) -> None:
         """Prepack the output weight; :func:`prepack_weights` calls this beside each layer's own."""
-        self._prepacked_head = onednn_prepack(self.output_weight())
+        self._prepacked_head = onednn_prepack(self.logits_weight())
 
     def _apply(self, fn, recurse: bool = True):
-        self._prepacked_head = None  # moved or cast: the copy no longer matches
+        # Moved or cast: the copies no longer match (quantize again after moving or casting).
+        self._prepacked_head = self._quantized_rows = self._quantized_head = None
         return super()._apply(fn, recurse)
 
 

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkabl
 
 import attrs
 import torch
+from torch import nn
 
+from specdec.models.quantization import quantize_weights
 from specdec.proposers.options import DEFAULT_DRAFT_SAMPLE_METHOD, ModelOptions, keys_from
 
 if TYPE_CHECKING:
@@ -198,12 +200,20 @@ class ModelProposer(ProposerBase):
         attention_backend: str | None = None,
         block_size: int | None = None,
         draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
+        quantization: str | None = None,
     ):
         self.model_path = model
         self.num_speculative_tokens = num_speculative_tokens
         self.attention_backend = attention_backend
         self.block_size = block_size
         self.draft_sample_method = draft_sample_method
+        self.quantization = quantization
+
+    def quantized(self, draft: nn.Module) -> nn.Module:
+        """The loaded ``draft``, its weights quantized by the ``quantization`` key (when given)."""
+        if self.quantization is not None:
+            quantize_weights(draft, self.quantization)
+        return draft
 
     @property
     def samples_drafts(self) -> bool:

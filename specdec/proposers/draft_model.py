@@ -23,7 +23,7 @@ class DraftModelProposer(ModelProposer):
     """Drafts with any supported architecture sharing the target's vocabulary.
 
     Keys: :class:`~specdec.proposers.options.ModelOptions` (``model``, ``attention_backend``,
-    ``block_size``, ``draft_sample_method``). The draft keeps its own KV pool(s) (prefix ``"draft"``,
+    ``block_size``, ``draft_sample_method``, ``quantization``). The draft keeps its own KV pool(s) (prefix ``"draft"``,
     page size ``block_size`` or what its backend prefers) in the shared cache. Each step it first catches up on the tokens it has not
     seen (the whole prompt for a new or preempted request; the accepted tokens and the emitted one
     otherwise), then runs one decode per further draft. Greedy requests draft the argmax (q is
@@ -40,7 +40,7 @@ class DraftModelProposer(ModelProposer):
     runner: ModelRunner | None = None
 
     def setup(self, context: ProposerContext) -> ProposerPools:
-        model = load_model(self.model_path, dtype=context.dtype, device=context.device)
+        model = self.quantized(load_model(self.model_path, dtype=context.dtype, device=context.device))
         if model.vocab_size != context.target.vocab_size:
             raise ValueError(
                 f"draft model {self.model_path!r} has a vocabulary of {model.vocab_size} tokens, the target "

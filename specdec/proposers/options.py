@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import attrs
 
+from specdec.models.quantization import SCHEMES as QUANTIZATION_SCHEMES
 from specdec.validation import boolean, int_at_least, is_int, is_real, non_empty_str, one_of, satisfies
 
 # Types a key may have: the string form parses values as these.
@@ -79,10 +80,14 @@ class ModelOptions(CommonOptions):
     ``draft_sample_method``: for a sampling request, ``"greedy"`` drafts the draft's argmax with no
     distribution (deterministic drafts: the engine's coupled verifier makes the output plain
     sampling's, token for token), ``"probabilistic"`` draws each draft from q and reports q (rejection
-    sampling: the output follows the target's law). Greedy requests always draft the argmax."""
+    sampling: the output follows the target's law). Greedy requests always draft the argmax.
+    ``quantization``: the draft's linear layers weight-only quantized when it loads, ``"int8"`` or
+    ``"int4"`` (:mod:`specdec.models.quantization`): cheaper draft steps on a CPU, other drafts, the
+    same output."""
 
     model: str = option(str, non_empty_str(), default=attrs.NOTHING, converter=_model_path)
     draft_sample_method: str = option(str, one_of(DRAFT_SAMPLE_METHODS), default=DEFAULT_DRAFT_SAMPLE_METHOD)
+    quantization: str | None = option(str, one_of(QUANTIZATION_SCHEMES, optional=True))
 
 
 def kind_of(field: attrs.Attribute) -> type:

@@ -89,9 +89,10 @@ class Eagle3Proposer(ModelProposer):
         block_size: int | None = None,
         draft_tensor_parallel_size: int | None = None,
         draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
+        quantization: str | None = None,
     ):
         super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size,
-                         draft_sample_method=draft_sample_method)
+                         draft_sample_method=draft_sample_method, quantization=quantization)
         self.draft_tensor_parallel_size = draft_tensor_parallel_size
         method = method or self.default_method
         if method not in self.methods:
@@ -105,10 +106,10 @@ class Eagle3Proposer(ModelProposer):
 
     # ----- setup -----
     def setup(self, context: ProposerContext) -> ProposerPools:
-        draft = load_eagle3_draft(
+        draft = self.quantized(load_eagle3_draft(
             self.model_path, context.target, dtype=context.dtype, device=context.device, method=self._load_method(),
             shard_layer=self._shard_layer(),
-        )
+        ))
         backend = get_backend(self.attention_backend) if self.attention_backend else context.backend
         shared = self._shared_pool(draft, context.target_pools, backend)
         if shared is not None:

@@ -134,10 +134,11 @@ class UnshiftedEagle3Proposer(Eagle3Proposer):
         block_size: int | None = None,
         draft_tensor_parallel_size: int | None = None,
         draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD,
+        quantization: str | None = None,
     ):
         super().__init__(model, num_speculative_tokens, attention_backend=attention_backend, block_size=block_size,
                          draft_tensor_parallel_size=draft_tensor_parallel_size,
-                         draft_sample_method=draft_sample_method)
+                         draft_sample_method=draft_sample_method, quantization=quantization)
         self.kv_sharing = kv_sharing
         self.kv_sharing_target_layer = kv_sharing_target_layer
         self.shared_layer: SharedLayer | None = None

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from typing import Sequence
-
-import numpy as np
 
 # A cost curve's observed point weighs as many observations as it has had, up to this many (older
 # ones have faded from its moving average).
@@ -43,7 +43,7 @@ class CostCurve:
         self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
         self.num_observed = 0  # observations at every size, all of them
         self.calibrated: dict[int, float] = {}
-        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # sizes and fitted costs, when read
+        self._curve: tuple[list[int], list[float]] | None = None  # sizes and fitted costs, when read
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.points.get(size)
@@ -60,35 +60,39 @@ class CostCurve:
         return self.over(size, size)[0]
 
     def over(self, first: int, last: int) -> list[float]:
-        """The costs of sizes ``first..last``, in one vectorised reading (a step's choice reads many)."""
-        sizes = np.arange(first, last + 1, dtype=np.float64)
+        """The costs of sizes ``first..last`` (a step's choice reads many, every step: plain Python,
+        which at these few points and sizes costs a fraction of numpy's per-call overhead)."""
         xs, ys = self._read()
-        if not len(xs):
+        sizes = range(first, last + 1)
+        if not xs:
             return [0.0] * len(sizes)
         if len(xs) == 1:
-            return (ys[0] * sizes / xs[0]).tolist()  # proportional until a second point exists
-        costs = np.interp(sizes, xs, ys)
-        below = ys[0] + (ys[1] - ys[0]) * (sizes - xs[0]) / (xs[1] - xs[0])
-        above = ys[-1] + (ys[-1] - ys[-2]) * (sizes - xs[-1]) / (xs[-1] - xs[-2])
-        costs = np.where(sizes < xs[0], below, np.where(sizes > xs[-1], above, costs))
-        return np.maximum(costs, 0.0).tolist()
+            return [ys[0] * n / xs[0] for n in sizes]  # proportional until a second point exists
+        # The segment each size reads: the one it lies in, or the first / last one past the ends.
+        segment, end = min(max(bisect.bisect_right(xs, first) - 1, 0), len(xs) - 2), len(xs) - 2
+        costs = []
+        for n in sizes:
+            while segment < end and n > xs[segment + 1]:
+                segment += 1
+            x0, y0, x1, y1 = xs[segment], ys[segment], xs[segment + 1], ys[segment + 1]
+            costs.append(max(y0 + (y1 - y0) * (n - x0) / (x1 - x0), 0.0))
+        return costs
 
     def level(self) -> float:
         """How observed costs compare with calibrated ones at the sizes both have (1 when none do)."""
         both = [self.points[n] / self.calibrated[n] for n in self.points.keys() & self.calibrated.keys()
                 if self.calibrated[n] > 0]
-        return float(np.median(both)) if both else 1.0
+        return statistics.median(both) if both else 1.0
 
-    def _read(self) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self) -> tuple[list[int], list[float]]:
         if self._curve is None and self.borrowed_shape and not self.points:
-            self._curve = np.empty(0), np.empty(0)  # another forward's costs: no price of this one yet
+            self._curve = [], []  # another forward's costs: no price of this one yet
         if self._curve is None:
             scale = self.level()
             merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}
             merged |= {n: (c, self.weights[n]) for n, c in self.points.items()}
             sizes = sorted(merged)
-            costs = non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
-            self._curve = np.array(sizes, dtype=np.float64), np.array(costs, dtype=np.float64)
+            self._curve = sizes, non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
         return self._curve
 
     def state(self) -> tuple:

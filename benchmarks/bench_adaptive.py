@@ -40,9 +40,9 @@ second one at fixed k = ``--k``, to show what each figure makes of noise alone; 
 every speculative engine with the draft's weights quantized, and adds one at fixed k = ``--k`` without,
 for what the quantization gains). The adaptive rows show
 the controller's choices in every round (``num_drafts_histogram``: one engine serves every level in
-turn, so what it chooses at a level may depend on the levels run before). Last, the controller's own
-cost per step at the highest concurrency (choose + observe over that many requests) against the plain
-decode step there.
+turn, so what it chooses at a level may depend on the levels run before) and the controller's own cost:
+the seconds the engine spent in it (:class:`ControllerClock`, timed in place while it served the level)
+per step, and as a share of its steps' time.
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.bench.runner import serve
 from specdec.bench.workload import output_lengths
-from specdec.engine.goodput import GoodputController
 from specdec.models.quantization import SCHEMES
-from specdec.runtime.layout import StepLayout
 from specdec.tokenizer import encode
 from specdec.train.corpus import load_documents
 
@@ -82,31 +80,25 @@ def throughput(llm: LLM, prompts, concurrency: int, params: list[SamplingParams]
     return sum(map(len, outputs)) / duration, outputs
 
 
-def controller_seconds(k: int, requests: int, repeats: int = 200) -> float:
-    """Seconds the controller adds to a step over ``requests`` requests (its choice, its timing, what it
-    learns), with curves of realistic shape."""
-    controller = GoodputController(k)
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
-        controller.target_seconds.observe(rows, 0.01 + 0.001 * rows)
-    for drafting in (1, 8, 32):
-        controller.draft_seconds.observe(drafting, 0.004 + 0.0005 * drafting)
-    controller.other_seconds.observe(requests, 0.002 * requests)
-    ids = list(range(requests))
-    spent = 0.0
-    for step in range(repeats):
-        started = time.perf_counter()
-        controller.step_began()
-        counts = controller.choose(ids, [k] * requests, requests)
-        for part in ("other", "draft", "target"):
-            controller.lap(part)
-        spent += time.perf_counter() - started
-        layout = StepLayout.build(ids, [100] * requests, [c + 1 for c in counts], counts, torch.device("cpu"))
-        started = time.perf_counter()  # the engine builds the layout anyway: only the controller's work counts
-        for request, count in zip(ids, counts):
-            controller.observe_verified(request, count, (step + request) % (count + 1))
-        controller.step_ended(layout)
-        spent += time.perf_counter() - started
-    return spent / repeats
+class ControllerClock:
+    """Seconds an adaptive engine spends in its controller (every method the engine calls on it: the
+    choice, admission, waking, the step's marks, what it learns), timed in place while it serves."""
+
+    METHODS = ("choose", "admit", "to_wake", "observe_verified", "forget", "step_began", "lap", "step_ended")
+
+    def __init__(self, controller):
+        self.seconds = 0.0
+        for name in self.METHODS:
+            setattr(controller, name, self._timed(getattr(controller, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return timed
 
 
 def main() -> None:
@@ -153,6 +145,9 @@ def main() -> None:
     prompts = held_out_prompts(llms["none"], max(count.values()), args.input_len)
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    adaptive = [name for name in configs if name.startswith("adaptive")]
+    clocks = {name: ControllerClock(llms[name].engine.draft_counts) for name in adaptive}
+    spent = {(name, c): [0.0, 0, 0.0] for name in adaptive for c in levels}  # controller s, steps, serving s
 
     # A trial runs every configuration on the same prompts, one after another, in an order that
     # alternates between trials; ratios are taken within a trial. At low concurrency a level's prompts
@@ -161,7 +156,6 @@ def main() -> None:
     trials = {c: [] for c in levels}  # per level: per trial, configuration -> output tok/s
     histograms = {c: [] for c in levels}  # the adaptive configuration's choices, round by round
     outputs = {}  # first round's tokens per (configuration, concurrency)
-    adaptive = [name for name in configs if name.startswith("adaptive")]
     for r in range(args.rounds):
         for c in levels:
             batch = prompts[: count[c]]
@@ -174,7 +168,13 @@ def main() -> None:
                 order = list(configs) if len(trials[c]) % 2 == 0 else list(reversed(configs))
                 trial = {}
                 for name in order:
+                    before = (clocks[name].seconds, llms[name].engine.stats.num_steps) if name in clocks else None
                     trial[name], tokens = throughput(llms[name], batch[part], c, params[part])
+                    if before is not None:
+                        totals = spent[name, c]
+                        totals[0] += clocks[name].seconds - before[0]
+                        totals[1] += llms[name].engine.stats.num_steps - before[1]
+                        totals[2] += sum(map(len, tokens)) / trial[name]
                     if r == 0:
                         outputs.setdefault((name, c), []).extend(tokens)
                 trials[c].append(trial)
@@ -198,14 +198,11 @@ def main() -> None:
                     f"x{vs_best:.2f} of best fixed k (x{fastest:.2f} of each trial's fastest)")
             identical = sum(a == b for a, b in zip(outputs[name, c], outputs["none", c]))
             line += f"  outputs identical to none {identical}/{len(outputs[name, c])}"
-            if name.startswith("adaptive"):
-                line += f"  drafts chosen (0..k) by round {histograms[c]}"
+            if name in clocks:
+                controller, steps, serving = spent[name, c]
+                line += (f"  drafts chosen (0..k) by round {histograms[c]}  controller {controller / steps * 1e3:.3f} ms "
+                         f"a step = {100 * controller / serving:.2f}% of its steps ({serving / steps * 1e3:.1f} ms)")
             print(line)
-    top = max(levels)
-    spent = controller_seconds(args.k, top)
-    step = 1.0 / (statistics.median(t["none"] for t in trials[top]) / top)  # seconds per plain decode step at that load
-    print(f"\ncontroller: {spent * 1e3:.3f} ms per step over {top} requests = {100 * spent / step:.2f}% "
-          f"of a plain decode step there ({step * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ bits changes which tokens it proposes (its acceptance), never what the engine em
 runs a few rows through every weight, so on a CPU it costs the weights' bytes more than their
 arithmetic: the zoo MiniMax-M3 EAGLE3 draft's layers (bf16, 1 thread, read from memory) took 589 us
 for one row, 406 us from int8 and 251 us from int4 weights (``benchmarks/bench_quantized_linear.py``);
-at concurrency 1 and k=5 the engine served 2.29x plain decoding's tokens per second with the int4
-draft, 2.13x with the bf16 one, at an acceptance within 2% of it (``benchmarks/bench_adaptive.py``).
+at concurrency 1 and k=5 the engine served 2.30x plain decoding's tokens per second with the int4
+draft, 2.18x with the bf16 one, at an acceptance within 2% of it (``benchmarks/bench_adaptive.py``).
 
 Schemes (:data:`SCHEMES`):
 

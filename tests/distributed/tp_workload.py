@@ -42,12 +42,14 @@ TIGHT_TOKENS = {"llama": 64, "kimi": 96, "minimax": 256}
 # vocabulary (draft-model-tiny is llama-tiny's), eagle3-unshifted has a llama draft, eagle3.1-mla an
 # MLA draft for kimi. An EAGLE3 layer runs whole on every rank by default; "eagle3-sharded" splits it
 # over the ranks (draft_tensor_parallel_size=2), and the unshifted draft, which reads the target's
-# KV heads (kv_sharing, its default), is split like the target.
+# KV heads (kv_sharing, its default), is split like the target. "eagle3-int4" quantizes the draft
+# (quantization=int4): the whole layer alike on every rank, the LM head's rows by vocabulary shard.
 SCENARIOS = [
     ("llama", "none"),
     ("llama", "ngram"),
     ("llama", "draft_model"),
     ("llama", "eagle3"),
+    ("llama", "eagle3-int4"),
     ("llama", "eagle3-unshifted"),
     ("kimi", "none"),
     ("kimi", "ngram"),
@@ -57,9 +59,9 @@ SCENARIOS = [
     ("minimax", "ngram"),
     ("minimax", "eagle3"),
 ]
-MODEL_DRAFTS = {"draft_model", "eagle3", "eagle3-sharded", "eagle3-unshifted", "eagle3.1-mla"}
+MODEL_DRAFTS = {"draft_model", "eagle3", "eagle3-int4", "eagle3-sharded", "eagle3-unshifted", "eagle3.1-mla"}
 # Drafts whole on every rank: a greedy draft step exchanges only a (max, id) pair per row and rank.
-WHOLE_DRAFTS = {"eagle3", "eagle3.1-mla"}
+WHOLE_DRAFTS = {"eagle3", "eagle3-int4", "eagle3.1-mla"}
 
 
 def spec_config(target: str, proposer: str, size: int = 2) -> str | None:
@@ -72,10 +74,12 @@ def spec_config(target: str, proposer: str, size: int = 2) -> str | None:
         return f"ngram:{common},prompt_lookup_min=1,prompt_lookup_max=3"
     if proposer == "draft_model":
         return f"draft_model:model={zoo_path('draft-model-tiny')},{common}"
-    method = proposer.removesuffix("-sharded")
+    method = proposer.removesuffix("-sharded").removesuffix("-int4")
     config = f"{method}:model={zoo_path(f'{TARGETS[target]}-{method}')},{common}"
     if proposer.endswith("-sharded") and size > 1:
         config += f",draft_tensor_parallel_size={size}"
+    if proposer.endswith("-int4"):
+        config += ",quantization=int4"
     return config
 
 

@@ -7,8 +7,11 @@
 
 Prompts: windows of the training corpus's validation documents (``specdec.train.corpus``, the split
 the zoo drafts never trained on), ``--input-len`` tokens each. Every configuration (no speculation,
-EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is one ``LLM`` built
-once. Concurrency c keeps c requests in flight, as a serving benchmark's ``--max-concurrency`` does
+EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is one ``LLM``, built
+afresh every round, in an order that alternates between rounds: where an engine's memory lands gives
+it an offset of a few percent for as long as it lives (two identical plain engines in one process
+differed by up to 2%, a dormant adaptive engine and a plain one by -2% to +6% depending on which was
+built first), which interleaved trials do not cancel; each round's engines land elsewhere. Concurrency c keeps c requests in flight, as a serving benchmark's ``--max-concurrency`` does
 (``specdec.bench.runner.serve``: a request goes in as soon as one finishes), over ``--batches`` times c
 prompts, and at least ``--min-prompts``. Output lengths (``ignore_eos``) are drawn once, uniformly
 within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the same for every
@@ -39,8 +42,8 @@ k reads below 1 by it on average wherever two fixed k run close (``--control`` a
 second one at fixed k = ``--k``, to show what each figure makes of noise alone; ``--quantization`` runs
 every speculative engine with the draft's weights quantized, and adds one at fixed k = ``--k`` without,
 for what the quantization gains). The adaptive rows show
-the controller's choices in every round (``num_drafts_histogram``: one engine serves every level in
-turn, so what it chooses at a level may depend on the levels run before) and the controller's own cost:
+the controller's choices in every round (``num_drafts_histogram``: one engine serves every level of a
+round in turn, so what it chooses at a level may depend on the levels run before) and the controller's own cost:
 the seconds the engine spent in it (:class:`ControllerClock`, timed in place while it served the level)
 per step, and as a share of its steps' time.
 """
@@ -48,6 +51,7 @@ per step, and as a share of its steps' time.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -138,16 +142,24 @@ def main() -> None:
     count = {c: max(c * args.batches, args.min_prompts) for c in levels}  # prompts per level
     common = dict(dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=512 << 20, seed=0,
                   enable_prefix_caching=False)  # prompts repeat across levels and rounds (the docstring)
-    llms = {name: LLM(args.target, speculative_config=config, **common) for name, config in configs.items()}
     spread = round(args.output_len * args.output_spread)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, seed=1)
               for n in output_lengths(max(count.values()), args.output_len, args.output_spread, seed=0)]
-    prompts = held_out_prompts(llms["none"], max(count.values()), args.input_len)
-    for llm in llms.values():  # warm-up
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)
     adaptive = [name for name in configs if name.startswith("adaptive")]
-    clocks = {name: ControllerClock(llms[name].engine.draft_counts) for name in adaptive}
     spent = {(name, c): [0.0, 0, 0.0] for name in adaptive for c in levels}  # controller s, steps, serving s
+    prompts: list[list[int]] = []
+
+    def build(round_index: int) -> tuple[dict[str, LLM], dict[str, ControllerClock]]:
+        """Every configuration's engine, built in an order that alternates between rounds and warmed up,
+        and the adaptive ones' controller clocks (the docstring)."""
+        names = list(configs) if round_index % 2 == 0 else list(reversed(configs))
+        built = {name: LLM(args.target, speculative_config=configs[name], **common) for name in names}
+        if not prompts:
+            prompts.extend(held_out_prompts(built["none"], max(count.values()), args.input_len))
+        for llm in built.values():  # warm-up
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)
+        return {name: built[name] for name in configs}, {name: ControllerClock(built[name].engine.draft_counts)
+                                                         for name in adaptive}
 
     # A trial runs every configuration on the same prompts, one after another, in an order that
     # alternates between trials; ratios are taken within a trial. At low concurrency a level's prompts
@@ -156,7 +168,11 @@ def main() -> None:
     trials = {c: [] for c in levels}  # per level: per trial, configuration -> output tok/s
     histograms = {c: [] for c in levels}  # the adaptive configuration's choices, round by round
     outputs = {}  # first round's tokens per (configuration, concurrency)
+    llms: dict[str, LLM] = {}
     for r in range(args.rounds):
+        llms.clear()
+        gc.collect()  # the last round's engines (their KV caches) go before this round's are built
+        llms, clocks = build(r)
         for c in levels:
             batch = prompts[: count[c]]
             size = max(args.slice, 2 * c)

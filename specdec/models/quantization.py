@@ -49,8 +49,9 @@ class PackedWeight:
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the kernels take scales in x's dtype
 
     def serves(self, x: torch.Tensor) -> bool:
-        """Whether the kernel runs ``x`` (else the GEMM over the dequantized weight does)."""
-        return x.dtype in _KERNEL_DTYPES and x.device.type == "cpu" and x.numel() <= self.max_rows * x.shape[-1]
+        """Whether the kernel runs ``x`` (else the GEMM over the dequantized weight does). ``x`` is on
+        the CPU: a packed copy exists only for a CPU weight (:func:`quantize`)."""
+        return x.dtype in _KERNEL_DTYPES and x.numel() <= self.max_rows * x.shape[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -72,11 +73,14 @@ def quantize(weight: torch.Tensor, scheme: str, where: str = "a layer") -> tuple
     out_features, in_features = weight.shape
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
     w = weight.detach().to(work)
+    kernel = weight.device.type == "cpu"  # torch's packed weight-only kernels are CPU ones
+    packed = None
     if scheme == "int8":
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         q = torch.round(w / scale[:, None]).clamp(-127, 127)
         dequantized = q * scale[:, None]
-        packed = PackedWeight(scheme, q.to(torch.int8), scale.float())
+        if kernel:
+            packed = PackedWeight(scheme, q.to(torch.int8), scale.float())
     else:
         if in_features % GROUP_SIZE:
             raise ValueError(
@@ -88,13 +92,12 @@ def quantize(weight: torch.Tensor, scheme: str, where: str = "a layer") -> tuple
         scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round((groups - low) / scale).clamp(0, 15)
         dequantized = (q * scale + low).view(out_features, in_features)
-        packed = None
-        if out_features % _INT4_ROWS_MULTIPLE == 0:
+        if kernel and out_features % _INT4_ROWS_MULTIPLE == 0:
             # The kernel computes (q - 8) * scale + zero: its zero is the group's value at q = 8.
             scales = torch.cat([scale, low + 8 * scale], dim=-1).transpose(0, 1).float().contiguous()
             codes = q.view(out_features, in_features).to(torch.int32)
             packed = PackedWeight(scheme, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), scales)
-    return dequantized.to(weight.dtype), packed if weight.device.type == "cpu" else None
+    return dequantized.to(weight.dtype), packed
 
 
 def quantize_weights(model: nn.Module, scheme: str) -> None:

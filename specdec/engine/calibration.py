@@ -25,33 +25,26 @@ def calibrate(
     vocab_size: int,
     draft_step: Callable[[list[Hashable]], bool] | None = None,
 ) -> None:
-    """Time target forwards of :func:`calibration_sizes` rows laid out like decode steps (requests of
-    1 + k rows, at most ``max_requests`` of them), on throwaway requests freed after: the target
-    curve's first points. Stops early when the KV cache cannot hold a size (the curve extrapolates
-    from there). Then, given the proposer's ``draft_step`` (its ``calibration_step``), the same for
-    the draft curve by requests (:func:`_calibrate_draft`).
+    """Time target forwards laid out like decode steps (:func:`calibration_layouts`: requests of 1 row,
+    and of 1 + k rows, at most ``max_requests`` of them and ``max_rows`` rows), on throwaway requests
+    freed after: the target's cost's first points, by rows and requests (:class:`ForwardCost`). Stops
+    early when the KV cache cannot hold a layout (the costs extrapolate from there). Then, given the
+    proposer's ``draft_step`` (its ``calibration_step``), the same for the draft curve by requests
+    (:func:`_calibrate_draft`).
 
     The rows carry distinct token ids spread over the vocabulary: a mixture of experts routes equal
     tokens to the same few experts, and a forward of one token repeated would price its rows like a
     small dense model's (on the zoo MiniMax-M3, 128 rows cost 2x one row with one token repeated,
     2.5-3x with distinct ones)."""
-    device, measured = controller.device, 0
-    for rows in calibration_sizes(controller.k, max_rows):
-        requests = min(rows, max_requests)
-        # The rows spread evenly over the requests, each at most 1 + k of them.
-        even, more = divmod(min(rows, requests * (controller.k + 1)), requests)
-        lengths = [even + 1] * more + [even] * (requests - more)
+    device = controller.device
+    for requests, length in calibration_layouts(controller.k, max_requests, max_rows):
         ids = [(_CALIBRATION_REQUEST, i) for i in range(requests)]
-        layout = StepLayout.build(ids, [0] * requests, lengths, [n - 1 for n in lengths], device)
-        if layout.num_rows <= measured:
-            break  # as many requests as may run, each with all its drafts: the largest decode step
-        firsts = itertools.accumulate(lengths, initial=0)
-        tokens = [[(_SPREAD * (first + j)) % vocab_size for j in range(n)] for first, n in zip(firsts, lengths)]
+        layout = StepLayout.build(ids, [0] * requests, [length] * requests, [length - 1] * requests, device)
+        tokens = [[(_SPREAD * (length * i + j)) % vocab_size for j in range(length)] for i in range(requests)]
         seconds = _least_time(lambda: forward(layout, tokens), ids, free, device)
         if seconds is None:
             break
-        controller.target_seconds.calibrate(layout.num_rows, seconds)
-        measured = layout.num_rows
+        controller.target_seconds.calibrate(layout.num_rows, requests, seconds)
     if draft_step is not None:
         _calibrate_draft(controller, draft_step, free, max_requests)
 
@@ -94,13 +87,23 @@ def _least_time(run: Callable[[], object], ids: list[Hashable], free: Callable[[
     return min(seconds[1:])
 
 
-def calibration_sizes(k: int, max_rows: int) -> list[int]:
-    """The row counts calibration times: every one up to ``k + 1`` (what one request's step can be), the
-    powers of two past it, and the largest step itself (``max_rows``), all at most
-    :data:`CALIBRATION_MAX_ROWS`. Every size a lone request can choose gets a calibrated point, and
-    the largest gets one rather than being extrapolated: a size priced only by its first observed
-    step keeps that step's price until a probe re-measures it (at concurrency 1 with k=5, a first
-    6-row step read 1.5x what 6 rows cost)."""
-    last = min(max_rows, CALIBRATION_MAX_ROWS)
-    doubling = itertools.takewhile(lambda rows: rows < last, (2 ** i for i in itertools.count()))
+def calibration_sizes(k: int, max_size: int) -> list[int]:
+    """The sizes (requests, or rows) calibration times: every one up to ``k + 1`` (the rows one request's
+    step can run), the powers of two past it, and ``max_size`` itself, all at most
+    :data:`CALIBRATION_MAX_ROWS`. The largest gets a point rather than being extrapolated: a size priced
+    only by its first observed step keeps that step's price until a probe re-measures it (at concurrency
+    1 with k=5, a first 6-row step read 1.5x what 6 rows cost)."""
+    last = min(max_size, CALIBRATION_MAX_ROWS)
+    doubling = itertools.takewhile(lambda size: size < last, (2 ** i for i in itertools.count()))
     return sorted({*range(1, min(k + 1, last) + 1), *doubling, last})
+
+
+def calibration_layouts(k: int, max_requests: int, max_rows: int) -> list[tuple[int, int]]:
+    """The target forwards calibration times, as (requests, rows each): one request at every length up
+    to ``1 + k`` (every step a lone request can choose), and :func:`calibration_sizes` requests of 1 row
+    (a plain step) and of ``1 + k`` (every draft), at most ``max_rows`` rows: both ends of each load's
+    choice, which sets apart what a forward's rows cost and what its requests do (:class:`ForwardCost`)."""
+    rows = min(max_rows, CALIBRATION_MAX_ROWS)
+    lone = [(1, length) for length in range(1, k + 2)]
+    loads = [(n, length) for n in calibration_sizes(k, max_requests)[1:] for length in (1, k + 1)]
+    return [(n, length) for n, length in lone + loads if n * length <= rows]

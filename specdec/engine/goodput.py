@@ -14,12 +14,13 @@ tokens per second:
   estimated acceptance at position m given the drafts before it were accepted
   (:class:`AcceptanceEstimates`: its own recent counts, shrunk towards the engine-wide rates, which
   start from the acceptance the draft's checkpoint records);
-- seconds: the target forward over the step's decode and verify rows (a prompt's cost the same
-  whatever is chosen), plus the draft chain (its depth times the
-  seconds of one draft forward over the drafting requests), plus the rest of the step (scheduling,
-  sampling, bookkeeping: by requests, whatever their drafts), read off :class:`CostCurve`s measured
-  by every step; the target's and the draft's shapes at sizes not run yet come from forwards of
-  growing size timed when the engine starts (:mod:`specdec.engine.calibration`), at the level the
+- seconds: the target forward over the step's decode and verify rows, by its rows and its requests
+  (:class:`ForwardCost`: a forward's rows from a few requests cost less than as many from many; a
+  prompt's cost the same whatever is chosen), plus the draft chain (its depth times the seconds of
+  one draft forward over the drafting requests), plus the rest of the step (scheduling, sampling,
+  bookkeeping: by requests, whatever their drafts), read off costs measured by every step
+  (:class:`CostCurve`); the target's and the draft's shapes at sizes not run yet come from forwards
+  of growing size timed when the engine starts (:mod:`specdec.engine.calibration`), at the level the
   steps measure, and keeping draft state takes the draft's shape.
 
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
@@ -62,7 +63,7 @@ from typing import Hashable, Sequence
 import torch
 
 from specdec.engine.acceptance_estimates import INITIAL_ACCEPTANCE, AcceptanceEstimates
-from specdec.engine.cost_curve import CostCurve
+from specdec.engine.cost_curve import CostCurve, ForwardCost
 from specdec.engine.draft_counts import FixedDrafts
 from specdec.runtime.layout import StepLayout
 
@@ -102,7 +103,7 @@ class GoodputController(FixedDrafts):
                  device: torch.device = torch.device("cpu")):
         self.k = num_speculative_tokens
         self.device = device
-        self.target_seconds = CostCurve()  # one target forward, by rows
+        self.target_seconds = ForwardCost()  # one target forward, by rows and requests
         self.draft_seconds = CostCurve()  # one draft forward (a chain's step), by drafting requests
         self.other_seconds = CostCurve()  # the rest of a step, by requests
         # keeping draft states ready, by requests not dormant; shaped like the draft chain's step
@@ -264,9 +265,9 @@ class GoodputController(FixedDrafts):
         # One request's seconds per token, plainly and with the step's best drafts at the engine-wide rates.
         chain = _chain(self.acceptance.engine_rates())
         _, rate = self._best(n, [chain] * (n - stay) + [[]] * stay, keeping=self._keeping(n - stay, chain))
-        saved = self.other_seconds(n) + self.target_seconds(n) - n / rate
+        saved = self.other_seconds(n) + self.target_seconds(n, n) - n / rate
         remaining = sum(s.max_len - s.num_tokens for s in dormant) / len(dormant)
-        if saved * remaining < WAKE_GAIN * self.target_seconds(sum(s.num_tokens for s in dormant)):
+        if saved * remaining < WAKE_GAIN * self.target_seconds(sum(s.num_tokens for s in dormant), len(dormant)):
             return []
         for s in dormant:  # admitted again as new (:meth:`choose`), drafting
             self._dormant.discard(s.seq_id)
@@ -285,7 +286,7 @@ class GoodputController(FixedDrafts):
         # Seconds of the step: the rest of it (whatever the drafts) + the target's forward over its rows
         # (by drafts taken) + the chain's depth times a draft forward over the drafting requests.
         other = self.other_seconds(len(gains))
-        target = self.target_seconds.over(base_rows, base_rows + sum(map(len, gains)))
+        target = self.target_seconds.over(base_rows, base_rows + sum(map(len, gains)), base_rows)
         draft = self.draft_seconds.over(0, len(gains))
 
         # Every request in the step emits a token whatever its drafts; each draft adds its gain. A
@@ -371,7 +372,7 @@ class GoodputController(FixedDrafts):
                         if rows != 1 + drafts]
         prompting = [r for r in with_prompts if r not in self._dormant]
         if not with_prompts:
-            self.target_seconds.observe(layout.num_rows, laps["target"])
+            self.target_seconds.observe(layout.num_rows, layout.num_requests, laps["target"])
         self.other_seconds.observe(layout.num_requests, laps["other"])
         drafted = frozenset(r for r, n in zip(layout.requests, layout.num_drafts) if n)
         if drafted and drafted <= self._drafted:
@@ -418,7 +419,7 @@ class GoodputController(FixedDrafts):
         for curve, points in zip(self._curves(), curves):
             curve.load(points)
 
-    def _curves(self) -> tuple[CostCurve, ...]:
+    def _curves(self) -> tuple[CostCurve | ForwardCost, ...]:
         return self.target_seconds, self.draft_seconds, self.other_seconds, self.keep_seconds
 
 

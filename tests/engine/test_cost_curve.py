@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.engine.cost_curve import CostCurve
+from specdec.engine.cost_curve import CostCurve, ForwardCost
 
 
 def test_cost_curve_interpolates_bounds_outliers_and_extrapolates():
@@ -75,3 +75,36 @@ def test_a_borrowed_shape_prices_nothing_until_observed_then_extrapolates_along_
     plain.load(curve.state())
     assert plain(32) == pytest.approx(1.5)  # what differs is only the price before an observation
     assert CostCurve(borrowed_shape=False).over(1, 2) == [0.0, 0.0]
+
+
+def test_a_forward_s_cost_is_fitted_as_a_part_by_rows_and_a_part_by_requests():
+    by_rows = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 18.0, 32: 26.0, 64: 40.0}
+    by_requests = {1: 0.0, 4: 3.0, 16: 12.0}
+    cost = ForwardCost()
+    assert cost(8, 4) == 0.0  # nothing measured: free
+    for (rows, requests) in ((1, 1), (4, 1), (4, 4), (16, 4), (16, 16), (64, 16)):
+        cost.observe(rows, requests, by_rows[rows] + by_requests[requests])
+    # Sixteen rows cost more from sixteen requests than from four; the parts come back exactly.
+    assert cost(16, 4) == pytest.approx(21.0) and cost(16, 16) == pytest.approx(30.0)
+    assert cost(64, 4) == pytest.approx(43.0)  # never run: 64 rows' part and 4 requests' part
+    assert cost(8, 8) == pytest.approx(14.0 + 6.0)  # between points, each part interpolates
+    copy = ForwardCost()
+    copy.load(cost.state())
+    assert [copy(r, n) for r, n in ((1, 1), (16, 16), (40, 10))] == [cost(r, n) for r, n in ((1, 1), (16, 16), (40, 10))]
+    # At one request count only, it is a curve by rows.
+    rows_only = ForwardCost()
+    for rows in (1, 2, 4):
+        rows_only.observe(rows, 1, by_rows[rows])
+    assert [rows_only(rows, 3) for rows in (1, 2, 3, 4)] == pytest.approx([10.0, 11.0, 11.5, 12.0])
+
+
+def test_a_forward_s_calibration_gives_both_parts_shapes_and_steps_their_level():
+    cost = ForwardCost()
+    for rows, requests, seconds in ((1, 1, 1.0), (4, 1, 2.0), (4, 4, 3.0), (16, 4, 4.0)):
+        cost.calibrate(rows, requests, seconds)
+    cost.observe(4, 4, 6.0)  # the engine's own steps cost 2x the context-free calibration
+    assert cost.level() == 2.0
+    assert cost(16, 4) == pytest.approx(8.0) and cost(4, 1) == pytest.approx(4.0)
+    # Each part non-decreasing: a cheap reading at more requests is pooled, never made a discount.
+    cost.observe(4, 1, 7.0)
+    assert cost(4, 4) >= cost(4, 1)

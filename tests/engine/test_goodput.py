@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from specdec.engine.cost_curve import CostCurve
+from specdec.engine.cost_curve import CostCurve, ForwardCost
 from specdec.engine.goodput import (
     ADMIT_GAIN,
     DORMANT_MAX_DRAFTING,
@@ -32,11 +32,12 @@ from specdec.runtime.layout import StepLayout
 
 # ----------------------------------------------------------------------------- parts
 def _controller(k: int, target, draft, acceptance: dict) -> GoodputController:
-    """A controller with planted costs (``target(rows)``, ``draft(requests)`` per forward, seconds) and
+    """A controller with planted costs (``target(rows)``, ``draft(requests)`` per forward, seconds; the
+    target's planted at one request count: a cost by rows alone, whatever the requests) and
     acceptance (request -> its observed accept pattern, repeated)."""
     controller = GoodputController(k)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128):
-        controller.target_seconds.observe(rows, target(rows))
+        controller.target_seconds.observe(rows, 1, target(rows))
     for _ in range(-(-MIN_TIMED_DRAFT_STEPS // 6)):  # enough timed steps that the price is trusted (no probe)
         for requests in (1, 2, 4, 8, 16, 32):
             controller.draft_seconds.observe(requests, draft(requests))
@@ -77,6 +78,30 @@ def test_a_step_s_fixed_costs_make_drafts_pay():
     assert controller.best_counts(list(range(4)), [3] * 4, base_rows=4) == [0] * 4
     controller.other_seconds.observe(4, 1.0)
     assert controller.best_counts(list(range(4)), [3] * 4, base_rows=4) == [1] * 4
+
+
+def test_a_load_is_priced_at_its_requests_not_at_the_rows_fewer_requests_ran():
+    # A forward costs a part by rows and a part by requests: 16 rows from 4 requests take 20 ms, from 16
+    # requests 30 ms. Steps at concurrency 4 ran up to 16 rows; 16 and 64 rows from 16 requests were
+    # only calibrated. A plain step of 16 requests is priced at its requests, not at what 4 requests'
+    # 16 rows took (a curve by rows alone took the steps' word for 16 rows, whoever ran them).
+    def cost(rows: int, requests: int) -> float:
+        return 0.01 + 0.0005 * rows + 0.0008 * (requests - 1)
+
+    controller = GoodputController(3)
+    for rows, requests in ((16, 16), (64, 16)):
+        controller.target_seconds.calibrate(rows, requests, cost(rows, requests))
+    for rows in range(4, 17):
+        controller.target_seconds.observe(rows, 4, cost(rows, 4))
+    for _ in range(MIN_TIMED_DRAFT_STEPS):
+        controller.draft_seconds.observe(16, 0.001)
+    for request in range(16):
+        for _ in range(10):
+            controller.observe_verified(request, 3, 3)
+    assert controller.target_seconds(16, 16) == pytest.approx(cost(16, 16), rel=1e-4)
+    assert controller.target_seconds(16, 4) == pytest.approx(cost(16, 4), rel=1e-4)
+    assert controller.speculation_pays(16)
+    assert controller.choose(list(range(16)), [3] * 16, base_rows=16) == [3] * 16
 
 
 def test_requests_admitted_where_drafts_do_not_pay_start_dormant():
@@ -132,9 +157,9 @@ def test_dormant_requests_are_woken_once_when_the_load_falls_and_enough_tokens_a
     # Forwards now cost the same up to 64 rows: drafting pays at 9 requests, but the load has not
     # halved since they went dormant (admission's word alone is the optimistic one).
     flat = controller.target_seconds
-    controller.target_seconds = CostCurve()
+    controller.target_seconds = ForwardCost()
     for rows in (1, 8, 64):
-        controller.target_seconds.observe(rows, 0.02)
+        controller.target_seconds.observe(rows, 1, 0.02)
     assert controller.speculation_pays(9) and controller.to_wake(crowd[:9]) == []
     controller.target_seconds = flat
     # The load falls to 2. Their two 100-token contexts cost 0.5 s to recompute (as 200 decode rows);
@@ -169,11 +194,11 @@ def test_a_step_s_parts_are_timed_into_their_curves():
         controller.step_ended(layout)
         assert (2 in controller.draft_seconds.points) == (step == 2)
     # The target curve prices decode rows: the prompts' step is not one of its points.
-    assert list(controller.target_seconds.points) == [6]
-    assert controller.target_seconds.points[6] >= 0.02
-    assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6]
-    assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6]  # per forward of a chain of 2
-    assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6]  # by requests not dormant
+    assert list(controller.target_seconds.points) == [(6, 2)]
+    assert controller.target_seconds.points[6, 2] >= 0.02
+    assert 0.002 <= controller.other_seconds.points[2] < controller.target_seconds.points[6, 2]
+    assert 0.002 <= controller.draft_seconds.points[2] < controller.target_seconds.points[6, 2]  # per forward of a chain of 2
+    assert 0.003 <= controller.keep_seconds.points[2] < controller.target_seconds.points[6, 2]  # by requests not dormant
 
 
 def _timed_step(controller: GoodputController, layout: StepLayout, **laps: float) -> None:
@@ -209,7 +234,7 @@ def test_a_dormant_request_s_prompt_is_not_priced_as_decode_rows():
     _timed_step(controller, StepLayout.build(["d"], [0], [200], [0], cpu), target=0.05)  # its prompt
     assert controller.target_seconds.points == before
     _timed_step(controller, StepLayout.build(["d"], [200], [1], [0], cpu), target=0.002)  # its decode steps are
-    assert controller.target_seconds.points[1] > before[1]
+    assert controller.target_seconds.points[1, 1] > before[1, 1]
 
 
 def test_keeping_a_prompt_s_states_is_a_one_off_cost_not_the_keep_curve_s():
@@ -249,7 +274,7 @@ def test_while_few_drafts_back_the_rates_one_request_admitted_dormant_drafts_to_
     # one request, the first request starts dormant rather than drafting to learn them.
     recorded = GoodputController(3, recorded=(0.3, 0.1, 0.03))
     for rows in (1, 2, 4, 8):
-        recorded.target_seconds.observe(rows, max(0.01, 0.00125 * rows))
+        recorded.target_seconds.observe(rows, 1, max(0.01, 0.00125 * rows))
     for _ in range(MIN_TIMED_DRAFT_STEPS):
         recorded.draft_seconds.observe(1, 0.003)
     assert recorded.acceptance.evidence() >= MIN_EVIDENCE and not recorded.speculation_pays(1)
@@ -262,7 +287,7 @@ def test_while_few_timed_steps_back_a_draft_forward_s_price_one_request_admitted
     def warmed_up(dear_steps: int) -> GoodputController:
         controller = GoodputController(3, recorded=(0.8, 0.7, 0.6))
         for rows in range(1, 5):
-            controller.target_seconds.observe(rows, 0.01)
+            controller.target_seconds.observe(rows, 1, 0.01)
         for _ in range(dear_steps):
             controller.draft_seconds.observe(1, 0.008)
         return controller
@@ -312,7 +337,7 @@ def test_every_few_steps_a_drafting_request_gets_one_draft_more():
     to a request the model left without), and a cheaper reading there moves the choice."""
     controller = GoodputController(5)
     for rows in range(1, 9):  # 7 rows and more priced dear, as after a passing slowdown
-        controller.target_seconds.observe(rows, 0.01 if rows <= 6 else 0.05)
+        controller.target_seconds.observe(rows, 1, 0.01 if rows <= 6 else 0.05)
     controller.draft_seconds.observe(1, 0.0001)
     for _ in range(40):
         controller.observe_verified("sure", 5, 5)
@@ -322,7 +347,7 @@ def test_every_few_steps_a_drafting_request_gets_one_draft_more():
     assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
     assert all(chosen[step - 1] == [5, 0] for step in probes)
     for _ in range(20):  # what the probes measure: 7 rows cost what 6 do
-        controller.target_seconds.observe(7, 0.01)
+        controller.target_seconds.observe(7, 1, 0.01)
     assert controller.best_counts(["sure", "never"], [5, 5], base_rows=2) == [5, 0]
 
 
@@ -363,7 +388,7 @@ def test_a_step_whose_drafts_promise_less_than_the_margin_drafts_none_and_its_re
         controller.draft_seconds.observe(size, 0.008)
     prior = controller.acceptance.engine_rates()
     counts, rate = controller._best(4, [_chain(controller.acceptance.rates(r, prior)) for r in requests])
-    plain_seconds = controller.other_seconds(4) + controller.target_seconds(4)
+    plain_seconds = controller.other_seconds(4) + controller.target_seconds(4, 4)
     assert counts == [1] * 4 and 1 < rate * plain_seconds / 4 < ADMIT_GAIN
     assert controller.choose(requests, [3] * 4, base_rows=4) == [0] * 4
     assert all(map(controller.is_dormant, requests))

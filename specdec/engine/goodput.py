@@ -25,7 +25,7 @@ tokens per second:
 
 The search takes drafts one at a time, the likeliest to be accepted first, and keeps the count at
 which the rate peaked (a request's drafts are always a prefix of its chain), if it beats
-:data:`ADMIT_GAIN` times the rate of none. Zero drafts for everyone is a valid answer. It is lossless
+:data:`STEP_GAIN` times the rate of none. Zero drafts for everyone is a valid answer. It is lossless
 by construction: only how many drafts are verified changes, never how they are verified.
 
 A request given drafts in at most :data:`DORMANT_MAX_DRAFTING` of its last :data:`DORMANT_WINDOW`
@@ -70,8 +70,14 @@ from specdec.runtime.layout import StepLayout
 # A request given drafts in at most this many of its last DORMANT_WINDOW steps gets none again (dormant).
 DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
-# A step drafts, and requests start drafting, only where that promises this many times the rate of none.
-ADMIT_GAIN = 1.1
+# Requests start drafting only where that promises this many times the rate of none (what the model leaves
+# out falls on drafting's side), and a step of requests already drafting drafts where it promises STEP_GAIN
+# times: a margin there too would make the step's choice a coin flip wherever drafting pays by about the
+# margin, and a step that gives nobody drafts sends its requests dormant for good (at concurrency 32 on the
+# zoo MiniMax-M3 pair the model promised 1.11x, a fixed k=2 served 1.09x, and a margin of 1.1 left 2 of 3
+# rounds dormant).
+ADMIT_GAIN = 1.05
+STEP_GAIN = 1.0
 # While fewer drafts than this back the engine-wide acceptance (a recorded one counts RECORD_WEIGHT), a
 # request admitted where drafting does not pay drafts anyway, one at a time (:meth:`GoodputController.admit`).
 MIN_EVIDENCE = 32
@@ -207,13 +213,12 @@ class GoodputController(FixedDrafts):
 
     def best_counts(self, requests: Sequence[Hashable], caps: Sequence[int], base_rows: int, *,
                     probe: bool = False) -> list[int]:
-        """The counts at which the step's expected tokens per second peak, if :data:`ADMIT_GAIN` times the
+        """The counts at which the step's expected tokens per second peak, if :data:`STEP_GAIN` times the
         rate of none (the module docstring); with ``probe``, one draft more for a request given drafts,
-        where its cap allows. At concurrency 32 on the zoo MiniMax-M3 pair the model promised drafting
-        1.07x, and an engine that drafted there served 0.84-0.93x of none's tokens per second."""
+        where its cap allows."""
         prior = self.acceptance.engine_rates()
         return self._best(base_rows, [_chain(self.acceptance.rates(r, prior)[:cap]) for r, cap in zip(requests, caps)],
-                          margin=ADMIT_GAIN, probe=probe)[0]
+                          margin=STEP_GAIN, probe=probe)[0]
 
     def speculation_pays(self, num_requests: int, num_dormant: int = 0) -> bool:
         """Whether a decode step of ``num_requests`` requests, ``num_dormant`` of them dormant and the

@@ -24,6 +24,7 @@ from specdec.engine.goodput import (
     MIN_TIMED_DRAFT_STEPS,
     PROBE_EVERY,
     PROBE_STEPS,
+    STEP_GAIN,
     GoodputController,
     _chain,
 )
@@ -376,20 +377,30 @@ def test_a_request_drafting_now_and_then_goes_dormant_too(drafting):
     assert not controller.is_dormant("other")
 
 
-def test_a_step_whose_drafts_promise_less_than_the_margin_drafts_none_and_its_requests_go_dormant():
-    """What the model leaves out falls on drafting's side (ADMIT_GAIN), in a step's choice as at
-    admission; and a step that gives nobody drafts says drafting does not pay at this load, so its
-    requests stop keeping draft state at once instead of for DORMANT_WINDOW steps."""
+def test_requests_start_drafting_at_the_admission_margin_and_go_on_while_drafting_pays():
+    """What the model leaves out falls on drafting's side at admission (ADMIT_GAIN); requests already
+    drafting go on while their step promises STEP_GAIN times the rate of none; and a step that gives
+    nobody drafts says drafting does not pay at this load, so its requests stop keeping draft state at
+    once instead of for DORMANT_WINDOW steps."""
+    assert STEP_GAIN < ADMIT_GAIN
     requests = list(range(4))
     controller = _controller(3, lambda rows: 0.01 + 0.001 * rows, lambda n: 0.002, {r: 1 for r in requests})
     assert controller.choose(requests, [3] * 4, base_rows=4) == [1] * 4  # admitted drafting: drafts are cheap
-    controller.draft_seconds = CostCurve()  # now they are dear: one draft each promises 1.08x the rate of none
-    for size in (1, 4, 32):
-        controller.draft_seconds.observe(size, 0.008)
-    prior = controller.acceptance.engine_rates()
-    counts, rate = controller._best(4, [_chain(controller.acceptance.rates(r, prior)) for r in requests])
-    plain_seconds = controller.other_seconds(4) + controller.target_seconds(4, 4)
-    assert counts == [1] * 4 and 1 < rate * plain_seconds / 4 < ADMIT_GAIN
+
+    def promise(draft_seconds: float) -> float:
+        """Draft forwards now cost ``draft_seconds`` (timed steps enough to be trusted): the step's best
+        rate over the rate of none."""
+        controller.draft_seconds = CostCurve()
+        for _ in range(MIN_TIMED_DRAFT_STEPS):
+            controller.draft_seconds.observe(4, draft_seconds)
+        prior = controller.acceptance.engine_rates()
+        counts, rate = controller._best(4, [_chain(controller.acceptance.rates(r, prior)) for r in requests])
+        return rate * (controller.other_seconds(4) + controller.target_seconds(4, 4)) / 4 if any(counts) else 1.0
+
+    assert STEP_GAIN < promise(0.009) < ADMIT_GAIN  # dearer drafts: one each promises 1.04x
+    assert controller.choose(requests, [3] * 4, base_rows=4) == [1] * 4  # drafting, they go on
+    assert controller.admit([*requests[1:], "new"]) == {"new"}  # a newcomer starts dormant
+    assert promise(0.011) == 1.0  # dearer still: no draft pays
     assert controller.choose(requests, [3] * 4, base_rows=4) == [0] * 4
     assert all(map(controller.is_dormant, requests))
     # Left without drafts for its own poor acceptance, where drafting pays at the engine-wide rates, a

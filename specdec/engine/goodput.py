@@ -71,12 +71,13 @@ from specdec.runtime.layout import StepLayout
 DORMANT_WINDOW = 16
 DORMANT_MAX_DRAFTING = 4
 # Requests start drafting only where that promises this many times the rate of none (what the model leaves
-# out falls on drafting's side), and a step of requests already drafting drafts where it promises STEP_GAIN
-# times: a margin there too would make the step's choice a coin flip wherever drafting pays by about the
-# margin, and a step that gives nobody drafts sends its requests dormant for good (at concurrency 32 on the
-# zoo MiniMax-M3 pair the model promised 1.11x, a fixed k=2 served 1.09x, and a margin of 1.1 left 2 of 3
-# rounds dormant).
-ADMIT_GAIN = 1.05
+# out falls on drafting's side: at 1.05, concurrency 32 on the zoo MiniMax-M3 pair started a few requests
+# drafting beside many dormant ones and served 0.93x of none), and a step of requests already drafting
+# drafts where it promises STEP_GAIN times: a margin there too would make the step's choice a coin flip
+# wherever drafting pays by about the margin, and a step that gives nobody drafts sends its requests
+# dormant for good (there the model promised 1.11x, a fixed k=2 served 1.09x, and a margin of 1.1 in the
+# step's choice left 2 of 3 rounds dormant).
+ADMIT_GAIN = 1.1
 STEP_GAIN = 1.0
 # While fewer drafts than this back the engine-wide acceptance (a recorded one counts RECORD_WEIGHT), a
 # request admitted where drafting does not pay drafts anyway, one at a time (:meth:`GoodputController.admit`).

@@ -11,7 +11,8 @@ EAGLE3 at each fixed k up to ``--k``, and ``adaptive=true`` with cap ``--k``) is
 afresh every round, in an order that alternates between rounds: where an engine's memory lands gives
 it an offset of a few percent for as long as it lives (two identical plain engines in one process
 differed by up to 2%, a dormant adaptive engine and a plain one by -2% to +6% depending on which was
-built first), which interleaved trials do not cancel; each round's engines land elsewhere. Concurrency c keeps c requests in flight, as a serving benchmark's ``--max-concurrency`` does
+built first), which interleaved trials do not cancel; each round's engines land elsewhere.
+Concurrency c keeps c requests in flight, as a serving benchmark's ``--max-concurrency`` does
 (``specdec.bench.runner.serve``: a request goes in as soon as one finishes), over ``--batches`` times c
 prompts, and at least ``--min-prompts``. Output lengths (``ignore_eos``) are drawn once, uniformly
 within ``--output-spread`` of ``--output-len`` (vLLM's ``--random-range-ratio``), the same for every

@@ -12,7 +12,55 @@ from typing import Sequence
 MAX_WEIGHT = 8
 
 
-class CostCurve:
+class MeasuredPoints:
+    """What a cost is fitted to: observed points (each an exponential moving average, weighing as many
+    observations as it has had, up to :data:`MAX_WEIGHT`) and calibrated ones, by a key (a size, or rows
+    and requests), and the calibration's scale (:meth:`level`). Subclasses fit them when read (``_fit``)
+    and refit after any change (``_fresh``)."""
+
+    def __init__(self, smoothing: float = 0.25):
+        self.smoothing = smoothing
+        self.points: dict = {}  # observed
+        self.weights: dict = {}  # observations behind each observed point, up to MAX_WEIGHT
+        self.num_observed = 0  # observations at every key, all of them
+        self.calibrated: dict = {}
+        self._fit = None  # the last fit, current while _fresh
+        self._fresh = False
+
+    def _observe(self, key, seconds: float) -> None:
+        old = self.points.get(key)
+        self.points[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.weights[key] = min(self.weights.get(key, 0) + 1, MAX_WEIGHT)
+        self.num_observed += 1
+        self._fresh = False
+
+    def _calibrate(self, key, seconds: float) -> None:
+        self.calibrated[key] = seconds
+        self._fresh = False
+
+    def level(self) -> float:
+        """How observed costs compare with calibrated ones where both exist (1 where none do)."""
+        both = [self.points[key] / self.calibrated[key] for key in self.points.keys() & self.calibrated.keys()
+                if self.calibrated[key] > 0]
+        return statistics.median(both) if both else 1.0
+
+    def _merged(self) -> dict:
+        """Every point as (seconds, weight): calibrated ones at the observed level, weighing one
+        observation, unless observed."""
+        scale = self.level()
+        merged = {key: (c * scale, 1) for key, c in self.calibrated.items()}
+        return merged | {key: (c, self.weights[key]) for key, c in self.points.items()}
+
+    def _points_state(self) -> tuple:
+        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items()), self.num_observed
+
+    def _load_points(self, state: tuple) -> None:
+        points, weights, calibrated, self.num_observed = state
+        self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
+        self._fresh = False
+
+
+class CostCurve(MeasuredPoints):
     """Seconds against a size (rows in a forward, requests in a draft forward).
 
     Two kinds of points. *Observed* ones are what the running engine measured at a size, each an
@@ -37,24 +85,14 @@ class CostCurve:
     points, which a few noisy points at small sizes make steep, or the proportion of a single point."""
 
     def __init__(self, smoothing: float = 0.25, borrowed_shape: bool = False):
-        self.smoothing = smoothing
+        super().__init__(smoothing)
         self.borrowed_shape = borrowed_shape
-        self.points: dict[int, float] = {}  # observed
-        self.weights: dict[int, int] = {}  # observations behind each observed point, up to MAX_WEIGHT
-        self.num_observed = 0  # observations at every size, all of them
-        self.calibrated: dict[int, float] = {}
-        self._curve: tuple[list[int], list[float]] | None = None  # sizes and fitted costs, when read
 
     def observe(self, size: int, seconds: float) -> None:
-        old = self.points.get(size)
-        self.points[size] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self.weights[size] = min(self.weights.get(size, 0) + 1, MAX_WEIGHT)
-        self.num_observed += 1
-        self._curve = None
+        self._observe(size, seconds)
 
     def calibrate(self, size: int, seconds: float) -> None:
-        self.calibrated[size] = seconds
-        self._curve = None
+        self._calibrate(size, seconds)
 
     def __call__(self, size: int) -> float:
         return self.over(size, size)[0]
@@ -64,33 +102,26 @@ class CostCurve:
         which at these few points and sizes costs a fraction of numpy's per-call overhead)."""
         return interpolate(*self._read(), first, last)
 
-    def level(self) -> float:
-        """How observed costs compare with calibrated ones at the sizes both have (1 when none do)."""
-        both = [self.points[n] / self.calibrated[n] for n in self.points.keys() & self.calibrated.keys()
-                if self.calibrated[n] > 0]
-        return statistics.median(both) if both else 1.0
-
     def _read(self) -> tuple[list[int], list[float]]:
-        if self._curve is None and self.borrowed_shape and not self.points:
-            self._curve = [], []  # another forward's costs: no price of this one yet
-        if self._curve is None:
-            scale = self.level()
-            merged = {n: (c * scale, 1) for n, c in self.calibrated.items()}
-            merged |= {n: (c, self.weights[n]) for n, c in self.points.items()}
-            sizes = sorted(merged)
-            self._curve = sizes, non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
-        return self._curve
+        """The sizes and their fitted costs."""
+        if not self._fresh:
+            if self.borrowed_shape and not self.points:
+                self._fit = [], []  # another forward's costs: no price of this one yet
+            else:
+                merged = self._merged()
+                sizes = sorted(merged)
+                self._fit = sizes, non_decreasing_fit([merged[n][0] for n in sizes], [merged[n][1] for n in sizes])
+            self._fresh = True
+        return self._fit
 
     def state(self) -> tuple:
-        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items()), self.num_observed
+        return self._points_state()
 
     def load(self, state) -> None:
-        points, weights, calibrated, self.num_observed = state
-        self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
-        self._curve = None
+        self._load_points(state)
 
 
-class ForwardCost:
+class ForwardCost(MeasuredPoints):
     """Seconds of a forward against its rows and its requests: a part by rows plus a part by requests.
 
     Rows alone price a forward by its arithmetic, but a forward also pays for each request in it: its
@@ -109,25 +140,11 @@ class ForwardCost:
     which one new point moves little. Both parts interpolate and extrapolate as :class:`CostCurve`
     does; with points at one request count only, the part by requests is zero: a curve by rows."""
 
-    def __init__(self, smoothing: float = 0.25):
-        self.smoothing = smoothing
-        self.points: dict[tuple[int, int], float] = {}  # observed, by (rows, requests)
-        self.weights: dict[tuple[int, int], int] = {}
-        self.num_observed = 0
-        self.calibrated: dict[tuple[int, int], float] = {}
-        self._by_requests: dict[int, float] = {}  # the last fit's part by requests, the next fit's start
-        self._fit: tuple[list[int], list[float], list[int], list[float]] | None = None
-
     def observe(self, rows: int, requests: int, seconds: float) -> None:
-        key, old = (rows, requests), self.points.get((rows, requests))
-        self.points[key] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self.weights[key] = min(self.weights.get(key, 0) + 1, MAX_WEIGHT)
-        self.num_observed += 1
-        self._fit = None
+        self._observe((rows, requests), seconds)
 
     def calibrate(self, rows: int, requests: int, seconds: float) -> None:
-        self.calibrated[rows, requests] = seconds
-        self._fit = None
+        self._calibrate((rows, requests), seconds)
 
     def __call__(self, rows: int, requests: int) -> float:
         return self.over(rows, rows, requests)[0]
@@ -135,36 +152,29 @@ class ForwardCost:
     def over(self, first: int, last: int, requests: int) -> list[float]:
         """The costs of ``first..last`` rows over ``requests`` requests."""
         rows, by_rows, counts, by_requests = self._read()
-        surcharge = interpolate(counts, by_requests, requests, requests)[0] if len(counts) > 1 else 0.0
+        surcharge = interpolate(counts, by_requests, requests, requests)[0]  # zero at one request count
         return [max(cost + surcharge, 0.0) for cost in interpolate(rows, by_rows, first, last)]
 
-    def level(self) -> float:
-        """How observed costs compare with calibrated ones where both exist (1 where none do)."""
-        both = [self.points[key] / self.calibrated[key] for key in self.points.keys() & self.calibrated.keys()
-                if self.calibrated[key] > 0]
-        return statistics.median(both) if both else 1.0
-
     def _read(self) -> tuple[list[int], list[float], list[int], list[float]]:
-        if self._fit is None:
-            scale = self.level()
-            merged = {key: (c * scale, 1) for key, c in self.calibrated.items()}
-            merged |= {key: (c, self.weights[key]) for key, c in self.points.items()}
-            by_rows, self._by_requests = additive_fit(merged, self._by_requests)
+        """Rows and their part, request counts and theirs; refitted from the last fit's part by requests."""
+        if not self._fresh:
+            start = dict(zip(self._fit[2], self._fit[3])) if self._fit else {}
+            by_rows, by_requests = additive_fit(self._merged(), start)
             self._fit = (sorted(by_rows), [by_rows[n] for n in sorted(by_rows)],
-                         sorted(self._by_requests), [self._by_requests[n] for n in sorted(self._by_requests)])
+                         sorted(by_requests), [by_requests[n] for n in sorted(by_requests)])
+            self._fresh = True
         return self._fit
 
     def state(self) -> tuple:
         """The points and their fit: a fit goes on from the last one (:func:`additive_fit`), so a copy
         refitting the same points from elsewhere could price a step differently (under tensor
         parallelism, ranks would choose apart)."""
-        fit = self._read()
-        return tuple(self.points.items()), tuple(self.weights.items()), tuple(self.calibrated.items()), self.num_observed, fit
+        return self._points_state(), self._read()
 
     def load(self, state) -> None:
-        points, weights, calibrated, self.num_observed, self._fit = state
-        self.points, self.weights, self.calibrated = dict(points), dict(weights), dict(calibrated)
-        self._by_requests = dict(zip(self._fit[2], self._fit[3]))
+        points, self._fit = state
+        self._load_points(points)
+        self._fresh = True
 
 
 def interpolate(xs: Sequence[int], ys: Sequence[float], first: int, last: int) -> list[float]:

@@ -63,7 +63,7 @@ from typing import Hashable, Sequence
 import torch
 
 from specdec.engine.acceptance_estimates import INITIAL_ACCEPTANCE, AcceptanceEstimates
-from specdec.engine.cost_curve import CostCurve, ForwardCost
+from specdec.engine.cost_curve import CostCurve, ForwardCost, MeasuredPoints
 from specdec.engine.draft_counts import FixedDrafts
 from specdec.runtime.layout import StepLayout
 
@@ -425,7 +425,7 @@ class GoodputController(FixedDrafts):
         for curve, points in zip(self._curves(), curves):
             curve.load(points)
 
-    def _curves(self) -> tuple[CostCurve | ForwardCost, ...]:
+    def _curves(self) -> tuple[MeasuredPoints, ...]:
         return self.target_seconds, self.draft_seconds, self.other_seconds, self.keep_seconds
 
 
